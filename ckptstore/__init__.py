@@ -1,0 +1,33 @@
+"""ckptstore: content-addressed, deduplicated storage for DeepSpeed training checkpoints.
+
+``store = ckptstore.open("runs/store")``, then ``store.commit(engine, step)`` and
+``store.materialize(step, "out/")``; see README.md.
+"""
+
+from .catalog import StepRow
+from .errors import (
+    BadInputError,
+    CkptStoreError,
+    ConflictError,
+    CorruptError,
+    NotFoundError,
+    StorageError,
+    UnsupportedError,
+)
+from .store import CommitReport, Store, VerifyReport, open
+
+__all__ = [
+    "open",
+    "Store",
+    "CommitReport",
+    "VerifyReport",
+    "StepRow",
+    "CkptStoreError",
+    "NotFoundError",
+    "CorruptError",
+    "ConflictError",
+    "UnsupportedError",
+    "BadInputError",
+    "StorageError",
+]
+__version__ = "0.1.0"

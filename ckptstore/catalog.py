@@ -1,0 +1,207 @@
+"""The SQLite catalog: which steps exist, which blob every layer's tensors map to, step state.
+
+Schema changes only through ``migrations/`` (shipped as ``ckptstore.migrations``). Opening a
+catalog applies pending migrations and refuses one whose schema is newer than this code.
+A step becomes visible by ``record_step``, one transaction that writes every row of the step.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlite_utils import Database
+
+from .errors import ConflictError, CorruptError, NotFoundError, UnsupportedError
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One stored tensor (or fragment) of a layer saved at ``step``."""
+
+    step: int
+    layer: str
+    name: str
+    kind: str
+    start: int
+    numel: int
+    blob: str
+
+
+@dataclass(frozen=True)
+class BlobRow:
+    """A blob's key with its stored and uncompressed sizes."""
+
+    key: str
+    size: int
+    raw_size: int
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """Summary of a committed step, as ``ckptstore log`` shows it."""
+
+    step: int
+    created_at: str
+    world_size: int
+    layers_saved: int
+    layers_total: int
+    bytes_added: int
+    blobs_added: int
+
+
+class Catalog:
+    """Access to one catalog database file (created with the current schema when missing)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from .migrations import migrations
+
+        self.path = Path(path)
+        try:
+            self.db = Database(self.path)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("PRAGMA busy_timeout=30000")
+            schema = migrations()
+            known = {m.name for m in schema._migrations}
+            newer = [m.name for m in schema.applied(self.db) if m.name not in known]
+            if newer:
+                raise UnsupportedError(
+                    f"the catalog {self.path} has schema migrations this ckptstore does not know "
+                    f"({', '.join(newer)}); upgrade ckptstore to open it"
+                )
+            schema.apply(self.db)
+        except sqlite3.DatabaseError as exc:
+            raise CorruptError(f"catalog {self.path} cannot be opened: {exc}") from None
+
+    def close(self) -> None:
+        """Close the database connection."""
+        self.db.close()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps in ascending order."""
+        return [row[0] for row in self.db.execute("SELECT step FROM steps ORDER BY step")]
+
+    def has_step(self, step: int) -> bool:
+        """Whether ``step`` is committed."""
+        return self.db.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone() is not None
+
+    def latest_step(self, before: int | None = None) -> int | None:
+        """The newest committed step (strictly below ``before`` when given), or None."""
+        if before is None:
+            row = self.db.execute("SELECT max(step) FROM steps").fetchone()
+        else:
+            row = self.db.execute("SELECT max(step) FROM steps WHERE step < ?", [before]).fetchone()
+        return row[0]
+
+    def _require(self, step: int) -> None:
+        if not self.has_step(step):
+            known = self.steps()
+            hint = f"; committed steps: {_summary(known)}" if known else "; the store has no steps yet"
+            raise NotFoundError(f"step {step} does not exist{hint}")
+
+    def description(self, step: int) -> str:
+        """The step description JSON text recorded for ``step``."""
+        self._require(step)
+        return self.db.execute("SELECT description FROM steps WHERE step = ?", [step]).fetchone()[0]
+
+    def sources(self, step: int) -> dict[str, int]:
+        """Every layer of ``step`` (in model order) -> the step that saved its tensors."""
+        self._require(step)
+        rows = self.db.execute(
+            "SELECT layer, source_step FROM layers WHERE step = ? ORDER BY position", [step]
+        ).fetchall()
+        return dict(rows)
+
+    def tensors(self, step: int, layers: Iterable[str] | None = None) -> list[TensorRow]:
+        """Tensor rows that ``step`` itself saved (optionally only for ``layers``)."""
+        sql = "SELECT step, layer, name, kind, start, numel, blob FROM tensors WHERE step = ?"
+        rows = self.db.execute(sql, [step]).fetchall()
+        wanted = None if layers is None else set(layers)
+        return [TensorRow(*row) for row in rows if wanted is None or row[1] in wanted]
+
+    def blob_sizes(self, keys: Iterable[str]) -> dict[str, BlobRow]:
+        """Recorded sizes of the given blobs (unknown keys are left out)."""
+        found = {}
+        keys = list(dict.fromkeys(keys))
+        for i in range(0, len(keys), 500):
+            chunk = keys[i : i + 500]
+            sql = f"SELECT key, size, raw_size FROM blobs WHERE key IN ({','.join('?' * len(chunk))})"
+            for row in self.db.execute(sql, chunk):
+                found[row[0]] = BlobRow(*row)
+        return found
+
+    def referenced_blobs(self) -> dict[str, list[tuple[int, str, str, str]]]:
+        """Every blob referenced by a committed step's layers -> (step, layer, name, kind) users."""
+        sql = """
+            SELECT l.step, t.layer, t.name, t.kind, t.blob
+            FROM layers l JOIN tensors t ON t.step = l.source_step AND t.layer = l.layer
+            ORDER BY t.blob, l.step
+        """
+        users: dict[str, list[tuple[int, str, str, str]]] = {}
+        for step, layer, name, kind, blob in self.db.execute(sql):
+            users.setdefault(blob, []).append((step, layer, name, kind))
+        return users
+
+    def log(self) -> list[StepRow]:
+        """One summary row per committed step, oldest first."""
+        sql = """
+            SELECT s.step, s.created_at, s.world_size, s.layers_saved,
+                   (SELECT count(*) FROM layers l WHERE l.step = s.step), s.bytes_added, s.blobs_added
+            FROM steps s ORDER BY s.step
+        """
+        return [StepRow(*row) for row in self.db.execute(sql)]
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def record_step(
+        self,
+        *,
+        step: int,
+        created_at: str,
+        world_size: int,
+        description: str,
+        layer_sources: dict[str, int],
+        tensors: list[TensorRow],
+        blobs: list[BlobRow],
+        blobs_added: int,
+        bytes_added: int,
+    ) -> None:
+        """Write every row of a step in one transaction: all of it becomes visible, or none."""
+        with self.db.atomic():
+            if self.has_step(step):
+                raise ConflictError(f"step {step} is already committed")
+            self.db["steps"].insert(
+                {
+                    "step": step,
+                    "created_at": created_at,
+                    "world_size": world_size,
+                    "description": description,
+                    "layers_saved": sum(1 for s in layer_sources.values() if s == step),
+                    "bytes_added": bytes_added,
+                    "blobs_added": blobs_added,
+                }
+            )
+            self.db["layers"].insert_all(
+                {"step": step, "layer": layer, "position": i, "source_step": source}
+                for i, (layer, source) in enumerate(layer_sources.items())
+            )
+            self.db["tensors"].insert_all(
+                {"step": t.step, "layer": t.layer, "name": t.name, "kind": t.kind,
+                 "start": t.start, "numel": t.numel, "blob": t.blob}
+                for t in tensors
+            )  # fmt: skip
+            self.db["blobs"].insert_all(
+                ({"key": b.key, "size": b.size, "raw_size": b.raw_size, "first_step": step} for b in blobs),
+                ignore=True,
+            )
+
+
+def _summary(steps: list[int]) -> str:
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:3]))}, ... {', '.join(map(str, steps[-3:]))} ({len(steps)} in all)"

@@ -1,0 +1,196 @@
+"""The ``ckptstore`` command line: parsing and printing over the library, nothing more.
+
+Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input; 3 not found
+(step, store, blob); 4 corrupt data; 5 conflict (e.g. non-empty output directory);
+6 unsupported engine or store format; 7 storage failure; 70 internal error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import click
+
+from . import store as store_module
+from .errors import CkptStoreError
+
+EXIT_PROBLEMS = 1
+EXIT_INTERNAL = 70
+
+
+def _store_option(command):
+    # Accepted before or after the command name: `ckptstore --store X log` = `ckptstore log --store X`.
+    return click.option(
+        "--store", "store_uri", metavar="URI", default=None, help="The store (overrides the group option)."
+    )(command)
+
+
+def _open(ctx: click.Context) -> store_module.Store:
+    uri = ctx.params.get("store_uri") or ctx.obj["store"]
+    if not uri:
+        raise click.UsageError("no store given: pass --store URI or set CKPTSTORE_STORE")
+    return store_module.open(uri, create=False)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--store",
+    envvar="CKPTSTORE_STORE",
+    metavar="URI",
+    help="The store: a directory path or file:// URI. Defaults to $CKPTSTORE_STORE.",
+)
+@click.version_option(package_name="ckptstore")
+@click.pass_context
+def cli(ctx: click.Context, store: str | None) -> None:
+    """Content-addressed, deduplicated DeepSpeed checkpoints.
+
+    Training code commits with ``ckptstore.open(URI).commit(engine, step)``; these
+    commands list, check and rebuild what was committed.
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["store"] = store
+
+
+@cli.command()
+@click.option("--step", type=int, required=True, help="The committed step to rebuild.")
+@click.option(
+    "--world-size", type=click.IntRange(min=1), default=None,
+    help="Data-parallel size of the job that will load it (default: the committing job's).",
+)  # fmt: skip
+@click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.argument("out", type=click.Path(file_okay=False))
+@_store_option
+@click.pass_context
+def materialize(
+    ctx: click.Context, store_uri: str | None, step: int, world_size: int | None, force: bool, out: str
+) -> None:
+    """Write step STEP as a DeepSpeed checkpoint directory OUT.
+
+    OUT gets ``latest`` and ``global_step<STEP>/``; resume with
+    ``engine.load_checkpoint(OUT)``. OUT appears only once complete.
+
+    Example: ckptstore --store runs/store materialize --step 300 out/
+    """
+    with _open(ctx) as store:
+        path = store.materialize(step, out, world_size=world_size, force=force)
+    click.echo(f"materialized step {step} at {path}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per step.")
+@_store_option
+@click.pass_context
+def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
+    """List committed steps: when, how many layers each saved, bytes it added.
+
+    Example: ckptstore --store runs/store log
+    """
+    with _open(ctx) as store:
+        rows = store.log()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(asdict(row)))
+        return
+    if not rows:
+        click.echo("no steps committed yet")
+        return
+    click.echo(
+        f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'blobs added':>11}  {'bytes added':>11}"
+    )
+    for row in rows:
+        saved = f"{row.layers_saved}/{row.layers_total}"
+        click.echo(
+            f"{row.step:>10}  {row.created_at:<25} {saved:>12}  {row.blobs_added:>11}  {_human(row.bytes_added):>11}"
+        )
+
+
+@cli.command()
+@click.option("--fast", is_flag=True, help="Only check presence, size and header (no re-hash).")
+@click.option("--deep", is_flag=True, help="Decode and re-hash every blob (the default).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_store_option
+@click.pass_context
+def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as_json: bool) -> None:
+    """Check that every blob a committed step needs is present and hashes to its key.
+
+    Exit code 0 when clean, 1 when problems were found. Unreferenced blobs (orphans)
+    are reported but are not problems.
+
+    Example: ckptstore --store runs/store verify
+    """
+    if fast and deep:
+        raise click.UsageError("--fast and --deep exclude each other")
+    with _open(ctx) as store:
+        report = store.verify(deep=not fast)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "ok": report.ok,
+                    "deep": report.deep,
+                    "blobs_checked": report.blobs_checked,
+                    "bytes_checked": report.bytes_checked,
+                    "problems": [
+                        {"blob": p.blob, "problem": p.problem, "steps": sorted({u[0] for u in p.users}),
+                         "layers": sorted({u[1] for u in p.users})}
+                        for p in report.problems
+                    ],
+                    "catalog_problems": report.catalog_problems,
+                    "orphans": report.orphans,
+                }
+            )
+        )  # fmt: skip
+    else:
+        for problem in report.problems:
+            click.echo(f"problem: {problem.describe()}")
+        for problem in report.catalog_problems:
+            click.echo(f"problem: {problem}")
+        if report.orphans:
+            click.echo(f"info: {len(report.orphans)} blob(s) no step references (gc removes them)")
+        mode = "re-hashed" if report.deep else "checked"
+        verdict = (
+            "clean" if report.ok else f"{len(report.problems) + len(report.catalog_problems)} problem(s)"
+        )
+        click.echo(f"{report.blobs_checked} blobs ({_human(report.bytes_checked)}) {mode}: {verdict}")
+    if not report.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning ckptstore errors into one line and an exit code."""
+    try:
+        cli.main(args=argv, prog_name="ckptstore", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except CkptStoreError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # a bug: one line, and the traceback only on request
+        if os.environ.get("CKPTSTORE_DEBUG"):
+            raise
+        click.echo(
+            f"internal error: {type(exc).__name__}: {exc} (set CKPTSTORE_DEBUG=1 for a traceback)", err=True
+        )
+        sys.exit(EXIT_INTERNAL)
+
+
+if __name__ == "__main__":
+    main()

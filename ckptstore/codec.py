@@ -1,0 +1,199 @@
+"""Tensor <-> blob bytes, and the content key of a tensor.
+
+Blob layout (format version 1, all integers little-endian)::
+
+    b"CKPB"  u8 version  u8 codec  u8 len(dtype)  dtype (ascii)
+    u8 ndim  ndim x u64 shape  u64 raw_size  payload
+
+``codec`` is RAW (payload = the tensor bytes), ZSTD, or ZSTD_GROUPED (the bytes of every
+element are regrouped by significance before zstd: the exponent bytes of neighbouring floats
+are alike and compress well, the mantissa bytes are noise and are kept apart from them).
+The key is the xxh3-128 of the dtype, the shape and the *uncompressed* bytes, so it does not
+depend on the codec, and every decode re-hashes and compares.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from . import knobs
+from .errors import CorruptError, UnsupportedError
+
+MAGIC = b"CKPB"
+FORMAT_VERSION = 1
+RAW, ZSTD, ZSTD_GROUPED = 0, 1, 2
+CODECS = (RAW, ZSTD, ZSTD_GROUPED)
+
+# Only plain numeric dtypes ever become blobs; anything else is refused rather than guessed.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}  # fmt: skip
+
+_local = threading.local()
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """What a blob header says: codec, dtype, shape and uncompressed size."""
+
+    codec: int
+    dtype: str
+    shape: tuple[int, ...]
+    raw_size: int
+    header_size: int
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name ckptstore records for a torch dtype; raises UnsupportedError for exotic ones."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UnsupportedError(f"tensors of dtype {dtype} cannot be stored")
+    return name
+
+
+def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes in C order as a uint8 array (a view when already contiguous on CPU)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()
+
+
+def tensor_key(tensor: torch.Tensor, raw: np.ndarray | None = None) -> str:
+    """The content key: 32 hex digits of xxh3-128 over dtype, shape and raw bytes."""
+    if raw is None:
+        raw = raw_bytes(tensor)
+    digest = xxhash.xxh3_128()
+    digest.update(f"{dtype_name(tensor.dtype)}:{tuple(tensor.shape)}:".encode())
+    digest.update(raw)
+    return digest.hexdigest()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    # zstd contexts are not safe to share between threads; one per thread and level.
+    level = knobs.zstd_level()
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+def _header(codec: int, dtype: str, shape: tuple[int, ...], raw_size: int) -> bytes:
+    name = dtype.encode("ascii")
+    return b"".join(
+        [
+            MAGIC,
+            struct.pack("<BBB", FORMAT_VERSION, codec, len(name)),
+            name,
+            struct.pack(f"<B{len(shape)}Q", len(shape), *shape),
+            struct.pack("<Q", raw_size),
+        ]
+    )
+
+
+def encode(tensor: torch.Tensor) -> tuple[str, bytes]:
+    """Encode a tensor as ``(key, blob bytes)``.
+
+    The payload is zstd-compressed (byte-grouped for multi-byte elements) unless compression
+    saves too little to be worth the decode time, in which case the raw bytes are stored.
+    """
+    dtype = dtype_name(tensor.dtype)
+    raw = raw_bytes(tensor)
+    key = tensor_key(tensor, raw)
+    shape = tuple(tensor.shape)
+    itemsize = tensor.element_size()
+    payload, codec = raw, RAW
+    if raw.size:
+        if itemsize > 1:
+            grouped = raw.reshape(-1, itemsize).T.copy()
+            packed, packed_codec = _compressor().compress(grouped), ZSTD_GROUPED
+        else:
+            packed, packed_codec = _compressor().compress(raw), ZSTD
+        if len(packed) < raw.size * knobs.min_compress_ratio():
+            payload, codec = packed, packed_codec
+    return key, _header(codec, dtype, shape, raw.size) + memoryview(payload).cast("B")
+
+
+def parse_header(blob: bytes | memoryview) -> BlobInfo:
+    """Read and validate a blob header; raises CorruptError on anything malformed."""
+    view = memoryview(blob)
+    try:
+        if bytes(view[:4]) != MAGIC:
+            raise CorruptError("not a ckptstore blob (bad magic)")
+        version, codec, name_len = struct.unpack_from("<BBB", view, 4)
+        if version != FORMAT_VERSION:
+            raise CorruptError(
+                f"blob format version {version} is not supported (this ckptstore reads {FORMAT_VERSION})"
+            )
+        if codec not in CODECS:
+            raise CorruptError(f"unknown blob codec {codec}")
+        offset = 7
+        dtype = bytes(view[offset : offset + name_len]).decode("ascii")
+        offset += name_len
+        if dtype not in DTYPES:
+            raise CorruptError(f"unknown dtype {dtype!r} in blob header")
+        (ndim,) = struct.unpack_from("<B", view, offset)
+        shape = struct.unpack_from(f"<{ndim}Q", view, offset + 1)
+        offset += 1 + 8 * ndim
+        (raw_size,) = struct.unpack_from("<Q", view, offset)
+        offset += 8
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise CorruptError(f"truncated or malformed blob header: {exc}") from None
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if numel * DTYPES[dtype].itemsize != raw_size:
+        raise CorruptError(f"blob header is inconsistent: shape {shape} of {dtype} is not {raw_size} bytes")
+    return BlobInfo(codec, dtype, tuple(shape), raw_size, offset)
+
+
+def decode(blob: bytes | memoryview, key: str | None = None) -> torch.Tensor:
+    """Decode blob bytes into a tensor; when ``key`` is given, verify the content hash.
+
+    Raises CorruptError if the bytes are malformed, the payload does not decompress to the
+    recorded size, or the content does not hash to ``key``.
+    """
+    info = parse_header(blob)
+    payload = memoryview(blob)[info.header_size :]
+    dtype = DTYPES[info.dtype]
+    itemsize = dtype.itemsize
+    try:
+        if info.codec == RAW:
+            raw = np.frombuffer(payload, dtype=np.uint8)
+        else:
+            stream = _decompressor().decompressobj()
+            raw = np.frombuffer(stream.decompress(payload), dtype=np.uint8)
+            if not stream.eof or stream.unused_data:
+                raise CorruptError("blob payload is truncated or has trailing bytes after its zstd frame")
+    except zstandard.ZstdError as exc:
+        raise CorruptError(f"blob payload does not decompress: {exc}") from None
+    if raw.size != info.raw_size:
+        raise CorruptError(f"blob payload holds {raw.size} bytes, header says {info.raw_size}")
+    if info.codec == ZSTD_GROUPED and raw.size:
+        raw = np.ascontiguousarray(raw.reshape(itemsize, -1).T)
+    if not raw.flags.writeable:
+        raw = raw.copy()  # the tensor must own writable memory; callers may modify it
+    if raw.size:
+        tensor = torch.from_numpy(raw).view(dtype).reshape(info.shape)
+    else:
+        tensor = torch.empty(info.shape, dtype=dtype)
+    if key is not None and tensor_key(tensor) != key:
+        raise CorruptError(f"blob content does not hash to its key {key}")
+    return tensor

@@ -1,0 +1,315 @@
+"""Live DeepSpeed engine -> pieces and a step description, for the calling rank.
+
+Extraction reads the same state dicts ``engine.save_checkpoint`` would write (the model-states
+dict and the optimizer's ``state_dict()``), in memory, and cuts their flat partitions into
+per-parameter pieces using the layout metadata DeepSpeed records (``param_shapes``,
+``group_paddings``, ``partition_count``). Tensors are returned as views of live engine state:
+the caller must store or copy them before the next optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import plainstate
+from ..codec import dtype_name
+from ..errors import UnsupportedError
+from .layout import (
+    BASIC,
+    BF16_OPTIMIZER,
+    BUFFER,
+    FP16_OPTIMIZER,
+    FP32,
+    WEIGHT,
+    ZERO3,
+    ZERO12,
+    Piece,
+    Snapshot,
+    zero3_slice,
+)
+
+# Model-states keys rebuilt by the writer from pieces and layout; everything else is kept as is.
+_LAYOUT_MODEL_KEYS = {
+    "module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "shared_params", "buffer_names", "dp_world_size",
+}  # fmt: skip
+# Optimizer-states keys that depend on the world size or hold partitioned tensors.
+_LAYOUT_OPTIM_KEYS = {
+    "base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings", "partition_count",
+    "param_slice_mappings", "param_alignment_paddings", "optimizer_state_dict", "fp32_flat_groups",
+    "fp32_groups_flat",
+}  # fmt: skip
+
+
+def optimizer_flavour(engine: Any) -> str:
+    """Which optimizer state layout the engine uses; raises UnsupportedError for others."""
+    optimizer = engine.optimizer
+    if optimizer is None:
+        raise UnsupportedError("the engine has no optimizer; ckptstore commits training state")
+    name = type(optimizer).__name__
+    if name in (ZERO12, BF16_OPTIMIZER, ZERO3, FP16_OPTIMIZER):
+        return name
+    if isinstance(optimizer, torch.optim.Optimizer) and engine.zero_optimization_stage() == 0:
+        return BASIC
+    raise UnsupportedError(
+        f"optimizer wrapper {name} is not supported (ZeRO 0-3 with DeepSpeed's own wrappers are)"
+    )
+
+
+def _check_engine(engine: Any, flavour: str) -> None:
+    if getattr(engine, "mp_world_size", 1) != 1:
+        raise UnsupportedError(
+            f"model parallelism (mp_world_size={engine.mp_world_size}) is not supported yet; "
+            "ckptstore handles data-parallel ZeRO jobs"
+        )
+    if type(engine).__name__ == "PipelineEngine":
+        raise UnsupportedError("pipeline-parallel engines are not supported yet")
+    if flavour == ZERO12 and getattr(engine.optimizer, "elastic_checkpoint", False):
+        raise UnsupportedError("zero_optimization.elastic_checkpoint is not supported; turn it off")
+    if flavour == ZERO12 and any(any(p) for p in engine.optimizer.round_robin_bit16_padding):
+        raise UnsupportedError("zero_optimization.parameter_alignment padding is not supported")
+
+
+def _dp_rank(engine: Any) -> int:
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=group)
+    return 0
+
+
+def _split_state(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split one optimizer state entry into partition-sized tensors and scalars (``step``)."""
+    tensors, scalars = {}, {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            tensors[key] = value
+        else:
+            scalars[key] = value
+    return tensors, scalars
+
+
+def _hyper(param_group: dict) -> dict:
+    return {k: v for k, v in param_group.items() if k != "params"}
+
+
+def _cut_flat(
+    names, shapes, flat_start: int, partition: torch.Tensor, kind: str, pieces: list[Piece]
+) -> None:
+    """Cut the pieces of ``names`` (laid end to end from element 0) that fall in a partition.
+
+    ``partition`` covers flat elements ``[flat_start, flat_start + len(partition))``.
+    """
+    offset = 0
+    end = flat_start + partition.numel()
+    for name, shape in zip(names, shapes, strict=True):
+        numel = int(torch.Size(shape).numel())
+        lo, hi = max(offset, flat_start), min(offset + numel, end)
+        if lo < hi:
+            chunk = partition[lo - flat_start : hi - flat_start]
+            if hi - lo == numel:
+                pieces.append(Piece(name, kind, 0, chunk.view(shape)))
+            else:
+                pieces.append(Piece(name, kind, lo - offset, chunk))
+        offset += numel
+
+
+def _extract_zero12(engine: Any, osd: dict, param_shapes: list, rank: int, pieces: list[Piece]) -> list[dict]:
+    base = osd["base_optimizer_state"]
+    if not isinstance(base, dict):
+        raise UnsupportedError("elastic ZeRO checkpoints are not supported")
+    groups = []
+    for g, shapes in enumerate(param_shapes):
+        names, sizes = list(shapes.keys()), list(shapes.values())
+        tensors, scalars = _split_state(base["state"].get(g, {}))
+        lean_fp32 = osd["single_partition_of_fp32_groups"][g]
+        # The torch state covers the whole partition, padding included; the fp32 partition
+        # drops the trailing padding (ZeRO 1/2) or keeps it (BF16_Optimizer).
+        partition_size = lean_fp32.numel() + (osd["group_paddings"][g] if "zero_stage" in osd else 0)
+        start = rank * partition_size
+        _cut_flat(names, sizes, start, lean_fp32, FP32, pieces)
+        for kind, tensor in tensors.items():
+            _cut_flat(names, sizes, start, tensor, kind, pieces)
+        groups.append({"params": names, "hyper": _hyper(base["param_groups"][g]), "scalars": scalars,
+                       "state_kinds": list(tensors)})  # fmt: skip
+    return groups
+
+
+def _extract_zero3(engine: Any, osd: dict, param_shapes: list, rank: int, pieces: list[Piece]) -> list[dict]:
+    if "ds_zero_partition_groups" in osd:
+        raise UnsupportedError("ZeRO-3 expert-parallel (AutoEP MoE) checkpoints are not supported")
+    world_size = osd["partition_count"]
+    torch_osd = osd["optimizer_state_dict"]
+    subgroup_scalars, subgroup_kinds = [], []
+    for i, shapes in enumerate(param_shapes):
+        tensors, scalars = _split_state(torch_osd["state"].get(i, {}))
+        subgroup_scalars.append(scalars)
+        subgroup_kinds.append(list(tensors))
+        flats = {FP32: osd["fp32_flat_groups"][i], **tensors}
+        offset = 0
+        for name, shape in shapes.items():
+            numel = int(shape.numel())
+            part = zero3_slice(numel, world_size)
+            first = rank * part
+            count = max(0, min(part, numel - first))
+            if count:
+                for kind, flat in flats.items():
+                    chunk = flat[offset : offset + count]
+                    if count == numel:
+                        pieces.append(Piece(name, kind, 0, chunk.view(shape)))
+                    else:
+                        pieces.append(Piece(name, kind, first, chunk))
+            offset += part
+    groups = []
+    for param_group in torch_osd["param_groups"]:
+        subgroups = [list(param_shapes[i].keys()) for i in param_group["params"]]
+        groups.append({
+            "params": [n for sub in subgroups for n in sub],
+            "subgroups": subgroups,
+            "subgroup_scalars": [subgroup_scalars[i] for i in param_group["params"]],
+            "subgroup_kinds": [subgroup_kinds[i] for i in param_group["params"]],
+            "hyper": _hyper(param_group),
+        })  # fmt: skip
+    return groups
+
+
+def _extract_basic(engine: Any, osd: dict, module: dict, pieces: list[Piece]) -> list[dict]:
+    names_by_index = [
+        engine.param_names[p] for group in engine.optimizer.param_groups for p in group["params"]
+    ]
+    groups = []
+    for param_group in osd["param_groups"]:
+        names, param_state = [], {}
+        for index in param_group["params"]:
+            name = names_by_index[index]
+            names.append(name)
+            pieces.append(Piece(name, FP32, 0, module[name]))
+            if index not in osd["state"]:
+                continue  # torch keeps no state for a param that never had a gradient
+            tensors, scalars = _split_state(osd["state"][index])
+            param_state[name] = {"scalars": scalars, "kinds": list(tensors)}
+            for kind, tensor in tensors.items():
+                pieces.append(Piece(name, kind, 0, tensor))
+        groups.append({"params": names, "hyper": _hyper(param_group), "param_state": param_state})
+    return groups
+
+
+def _extract_fp16_optimizer(engine: Any, osd: dict, pieces: list[Piece]) -> list[dict]:
+    torch_osd = osd["optimizer_state_dict"]
+    groups = []
+    for g, params in enumerate(engine.optimizer.fp16_groups):
+        names = [engine.param_names[p] for p in params]
+        shapes = [tuple(p.shape) for p in params]
+        tensors, scalars = _split_state(torch_osd["state"].get(g, {}))
+        _cut_flat(names, shapes, 0, osd["fp32_groups_flat"][g], FP32, pieces)
+        for kind, tensor in tensors.items():
+            _cut_flat(names, shapes, 0, tensor, kind, pieces)
+        groups.append({"params": names, "hyper": _hyper(torch_osd["param_groups"][g]), "scalars": scalars,
+                       "state_kinds": list(tensors)})  # fmt: skip
+    return groups
+
+
+def _aliases(engine: Any) -> dict[str, str]:
+    owners: dict[int, str] = {}
+    aliases = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        if id(param) in owners:
+            aliases[name] = owners[id(param)]
+        else:
+            owners[id(param)] = name
+    return aliases
+
+
+def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
+    """Pieces and description of the calling rank's share of ``engine``'s checkpoint state.
+
+    Raises UnsupportedError for engines or optimizers ckptstore cannot store faithfully.
+    """
+    flavour = optimizer_flavour(engine)
+    _check_engine(engine, flavour)
+    zero = flavour in (ZERO12, BF16_OPTIMIZER, ZERO3)
+    stage = engine.zero_optimization_stage()
+    save_frozen = engine.zero_optimization_partition_gradients()
+    module = engine.module_state_dict()
+    model_state = engine._common_checkpoint_state(module, zero, save_frozen)
+    model_state.update(client_state or {})
+    osd = engine.optimizer.state_dict() if zero else model_state["optimizer"]
+    rank = _dp_rank(engine)
+    world_size = model_state["dp_world_size"]
+
+    pieces: list[Piece] = []
+    if flavour in (ZERO12, BF16_OPTIMIZER):
+        groups = _extract_zero12(engine, osd, model_state["param_shapes"], rank, pieces)
+    elif flavour == ZERO3:
+        groups = _extract_zero3(engine, osd, model_state["param_shapes"], rank, pieces)
+    elif flavour == BASIC:
+        groups = _extract_basic(engine, osd, module, pieces)
+    else:
+        groups = _extract_fp16_optimizer(engine, osd, pieces)
+
+    aliases = _aliases(engine)
+    trainable = {name for group in groups for name in group["params"]}
+    buffer_names = set(engine._get_buffer_names())
+    frozen_fragments = model_state.get("frozen_param_fragments") or {}
+    params: dict[str, dict] = {}
+    module_keys: list[list[str]] = []
+    fp32_by_name = {p.name: p for p in pieces if p.kind == FP32 and p.start == 0}
+    for key, tensor in module.items():
+        if key in aliases:
+            module_keys.append([key, "alias"])
+            continue
+        if key in buffer_names:
+            module_keys.append([key, BUFFER])
+            if rank == 0:
+                pieces.append(Piece(key, BUFFER, 0, tensor))
+            continue
+        module_keys.append([key, "param"])
+        # ZeRO-3 module entries are empty placeholders; the real shape is in the layout metadata.
+        shape = list(_zero3_shape(model_state, key) if stage == 3 else tensor.shape)
+        params[key] = {"shape": shape, "dtype": dtype_name(tensor.dtype), "trainable": key in trainable}
+        if stage == 3:
+            if key not in trainable and key in frozen_fragments:
+                _add_zero3_frozen(key, shape, frozen_fragments[key], rank, world_size, pieces)
+            continue
+        if rank != 0:
+            continue
+        master = fp32_by_name.get(key)
+        # Module weights at ZeRO 0-2 are the fp32 masters cast down; storing them again would
+        # add 2 bytes per parameter for nothing. Store them only where they differ.
+        if master is None or not torch.equal(master.tensor.to(tensor.dtype), tensor):
+            pieces.append(Piece(key, WEIGHT, 0, tensor))
+
+    extra_model = {k: v for k, v in model_state.items() if k not in _LAYOUT_MODEL_KEYS}
+    extra_optim = {k: v for k, v in osd.items() if k not in _LAYOUT_OPTIM_KEYS} if flavour != BASIC else {}
+    description = {
+        "flavour": flavour,
+        "zero_stage": stage,
+        "world_size": world_size,
+        "bf16": bool(engine.bfloat16_enabled()),
+        "params": params,
+        "module_keys": module_keys,
+        "aliases": aliases,
+        "groups": groups,
+        "model_state": extra_model,
+        "optimizer_state": extra_optim,
+    }
+    return Snapshot(plainstate.to_plain(description), pieces, rank, world_size)
+
+
+def _zero3_shape(model_state: dict, name: str) -> torch.Size:
+    for shapes in model_state["param_shapes"]:
+        if name in shapes:
+            return shapes[name]
+    return (model_state.get("frozen_param_shapes") or {})[name]
+
+
+def _add_zero3_frozen(name: str, shape, fragment: torch.Tensor, rank: int, world_size: int, pieces) -> None:
+    numel = int(torch.Size(shape).numel())
+    part = zero3_slice(numel, world_size)
+    first = rank * part
+    count = max(0, min(part, numel - first))
+    if count == numel:
+        pieces.append(Piece(name, WEIGHT, 0, fragment[:count].view(shape)))
+    elif count:
+        pieces.append(Piece(name, WEIGHT, first, fragment[:count]))

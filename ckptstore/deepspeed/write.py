@@ -1,0 +1,314 @@
+"""Step description + whole per-parameter tensors -> DeepSpeed checkpoint files.
+
+The files follow DeepSpeed's own layout (see shared/DEEPSPEED_FORMAT.md §7) for the flavour the
+engine used, flattened, padded and partitioned for the requested data-parallel world size.
+DeepSpeed objects (loss scalers, ``ZeroStageEnum``, ``fragment_address``) are rebuilt here from
+plain data, so DeepSpeed must be importable when materializing.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .. import plainstate
+from ..codec import DTYPES
+from ..errors import CorruptError, UnsupportedError
+from .layout import (
+    BASIC,
+    BF16_OPTIMIZER,
+    BUFFER,
+    FP32,
+    WEIGHT,
+    ZERO3,
+    ZERO12,
+    flat_partition_size,
+    zero3_slice,
+)
+
+# (name, kind) -> the whole tensor in its own shape, or None when the store holds none.
+TensorSource = Callable[[str, str], "torch.Tensor | None"]
+
+
+def _fragment_address(numel: int, start: int):
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return fragment_address(numel=numel, start=start)
+
+
+def _pad_to(flat: torch.Tensor, length: int) -> torch.Tensor:
+    if flat.numel() == length:
+        return flat
+    padded = torch.zeros(length, dtype=flat.dtype)
+    padded[: flat.numel()] = flat
+    return padded
+
+
+class _Writer:
+    """Builds the files of one step for one target world size."""
+
+    def __init__(self, description: dict, tensors: TensorSource, world_size: int) -> None:
+        self.d = plainstate.from_plain(description)
+        self._tensors = tensors
+        self.flavour = self.d["flavour"]
+        self.stage = self.d["zero_stage"]
+        self.world_size = world_size
+        self.params = self.d["params"]
+        if self.flavour == ZERO3 and world_size != self.d["world_size"]:
+            raise UnsupportedError(
+                f"materializing a ZeRO-3 step for world size {world_size} (committed with "
+                f"{self.d['world_size']}) is not supported yet"
+            )
+
+    def tensor(self, name: str, kind: str) -> torch.Tensor:
+        found = self._tensors(name, kind)
+        if found is None:
+            raise CorruptError(f"the store holds no {kind} tensor for {name}")
+        return found
+
+    def optional(self, name: str, kind: str) -> torch.Tensor | None:
+        return self._tensors(name, kind)
+
+    def shape(self, name: str) -> torch.Size:
+        return torch.Size(self.params[name]["shape"])
+
+    # -- module and model-states files -------------------------------------------------------
+
+    def module(self) -> OrderedDict:
+        module: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for key, role in self.d["module_keys"]:
+            if role == "alias":
+                module[key] = None  # filled below, once the owner is there
+            elif role == BUFFER:
+                module[key] = self.tensor(key, BUFFER)
+            elif self.stage == 3:
+                # ZeRO-3 module entries are empty placeholders; the loader refills params from fp32.
+                module[key] = torch.empty(0, dtype=DTYPES[self.params[key]["dtype"]])
+            else:
+                module[key] = self.weight(key)
+        for alias, owner in self.d["aliases"].items():
+            if alias in module:
+                module[alias] = module[owner]
+        return module
+
+    def weight(self, name: str) -> torch.Tensor:
+        stored = self.optional(name, WEIGHT)
+        if stored is not None:
+            return stored
+        return self.tensor(name, FP32).to(DTYPES[self.params[name]["dtype"]])
+
+    def frozen_names(self) -> list[str]:
+        return [name for name, info in self.params.items() if not info["trainable"]]
+
+    def model_state(self, rank: int, module: OrderedDict, optimizer) -> dict:
+        zero = self.flavour in (ZERO12, BF16_OPTIMIZER, ZERO3)
+        frozen = self.frozen_names()
+        save_frozen = self.stage >= 2
+        state = {
+            "module": module,
+            "buffer_names": [key for key, role in self.d["module_keys"] if role == BUFFER],
+            "optimizer": optimizer,
+            "param_shapes": self.param_shapes() if zero else None,
+            "frozen_param_shapes": OrderedDict((n, self.shape(n)) for n in frozen) if save_frozen else None,
+            "shared_params": (dict(self.d["aliases"]) if rank == 0 else {}) if zero else None,
+            "frozen_param_fragments": (
+                OrderedDict((n, self.frozen_fragment(n, rank)) for n in frozen) if save_frozen else None
+            ),
+        }
+        extra = dict(self.d["model_state"])
+        state.update(extra)
+        state["dp_world_size"] = self.world_size
+        return state
+
+    def frozen_fragment(self, name: str, rank: int) -> torch.Tensor:
+        weight = self.tensor(name, WEIGHT)
+        if self.stage < 3:
+            return weight
+        part = zero3_slice(weight.numel(), self.world_size)
+        return _pad_to(weight.reshape(-1), part * self.world_size)[rank * part : (rank + 1) * part].clone()
+
+    def param_shapes(self) -> list[OrderedDict]:
+        if self.flavour == ZERO3:
+            flat_groups = [sub for group in self.d["groups"] for sub in group["subgroups"]]
+        else:
+            flat_groups = [group["params"] for group in self.d["groups"]]
+        return [OrderedDict((n, self.shape(n)) for n in names) for names in flat_groups]
+
+    # -- optimizer state ---------------------------------------------------------------------
+
+    def flat(self, names: list[str], kind: str) -> torch.Tensor:
+        parts = [self.tensor(n, kind).reshape(-1) for n in names]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+    def zero12_files(self) -> list[dict]:
+        W = self.world_size
+        groups = self.d["groups"]
+        per_rank: list[dict] = [
+            {"state": {}, "param_groups": [], "fp32": [], "paddings": [], "mappings": []} for _ in range(W)
+        ]
+        for g, group in enumerate(groups):
+            names = group["params"]
+            used = sum(self.shape(n).numel() for n in names)
+            size = flat_partition_size(used, W)
+            flats = {
+                kind: _pad_to(self.flat(names, kind), size * W) for kind in [FP32, *group["state_kinds"]]
+            }
+            for r, out in enumerate(per_rank):
+                lo, hi = r * size, (r + 1) * size
+                padding = size if used <= lo else (hi - used if used < hi else 0)
+                fp32 = flats[FP32][lo:hi]
+                if self.flavour == ZERO12:
+                    fp32 = fp32[: size - padding]
+                out["fp32"].append(fp32.clone())
+                out["paddings"].append(padding)
+                entry = dict(group["scalars"])
+                entry.update({kind: flats[kind][lo:hi].clone() for kind in group["state_kinds"]})
+                out["state"][g] = entry
+                out["param_groups"].append({**group["hyper"], "params": [g]})
+                out["mappings"].append(self.slice_mappings(names, lo, hi))
+        files = []
+        for out in per_rank:
+            osd = dict(self.d["optimizer_state"])
+            osd["base_optimizer_state"] = {"state": out["state"], "param_groups": out["param_groups"]}
+            osd["single_partition_of_fp32_groups"] = out["fp32"]
+            osd["group_paddings"] = out["paddings"]
+            if self.flavour == ZERO12:
+                osd["param_alignment_paddings"] = [[0] * len(g["params"]) for g in groups]
+            osd["partition_count"] = [W] * len(groups)
+            osd["param_slice_mappings"] = out["mappings"]
+            files.append(osd)
+        return files
+
+    def slice_mappings(self, names: list[str], lo: int, hi: int) -> OrderedDict:
+        mappings: OrderedDict = OrderedDict()
+        offset = 0
+        for name in names:
+            numel = self.shape(name).numel()
+            start, end = max(offset, lo), min(offset + numel, hi)
+            if start < end:
+                mappings[name] = _fragment_address(end - start, start - lo)
+            offset += numel
+        return mappings
+
+    def zero3_files(self) -> list[dict]:
+        W = self.world_size
+        per_rank: list[dict] = [{"state": {}, "param_groups": [], "fp32": []} for _ in range(W)]
+        index = 0
+        for group in self.d["groups"]:
+            indices = []
+            for names, scalars, kinds in zip(
+                group["subgroups"], group["subgroup_scalars"], group["subgroup_kinds"], strict=True
+            ):
+                slices = {kind: [] for kind in [FP32, *kinds]}
+                for name in names:
+                    numel = self.shape(name).numel()
+                    part = zero3_slice(numel, W)
+                    for kind, out in slices.items():
+                        out.append(_pad_to(self.tensor(name, kind).reshape(-1), part * W).view(W, part))
+                for r, out in enumerate(per_rank):
+                    flat = {kind: torch.cat([s[r] for s in parts]) for kind, parts in slices.items()}
+                    out["fp32"].append(flat[FP32])
+                    out["state"][index] = {**scalars, **{kind: flat[kind] for kind in kinds}}
+                indices.append(index)
+                index += 1
+            for out in per_rank:
+                out["param_groups"].append({**group["hyper"], "params": indices})
+        files = []
+        for out in per_rank:
+            osd = dict(self.d["optimizer_state"])
+            osd["partition_count"] = W
+            osd["optimizer_state_dict"] = {"state": out["state"], "param_groups": out["param_groups"]}
+            osd["fp32_flat_groups"] = out["fp32"]
+            files.append(osd)
+        return files
+
+    def basic_optimizer(self) -> dict:
+        state, param_groups, index = {}, [], 0
+        for group in self.d["groups"]:
+            ids = []
+            for name in group["params"]:
+                ids.append(index)
+                if name in group["param_state"]:
+                    entry = group["param_state"][name]
+                    state[index] = {**entry["scalars"], **{k: self.tensor(name, k) for k in entry["kinds"]}}
+                index += 1
+            param_groups.append({**group["hyper"], "params": ids})
+        return {"state": state, "param_groups": param_groups}
+
+    def fp16_optimizer(self) -> dict:
+        state, param_groups, flats = {}, [], []
+        for g, group in enumerate(self.d["groups"]):
+            names = group["params"]
+            flats.append(self.flat(names, FP32))
+            state[g] = {**group["scalars"], **{k: self.flat(names, k) for k in group["state_kinds"]}}
+            param_groups.append({**group["hyper"], "params": [g]})
+        optimizer = dict(self.d["optimizer_state"])
+        optimizer["optimizer_state_dict"] = {"state": state, "param_groups": param_groups}
+        optimizer["fp32_groups_flat"] = flats
+        return optimizer
+
+    # -- files -----------------------------------------------------------------------------
+
+    def write(self, tag_dir: Path) -> list[Path]:
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        written = []
+        module = self.module()
+        ds_config = self.d["model_state"].get("ds_config")
+        ds_version = self.d["model_state"].get("ds_version")
+        prefix = "bf16_" if self.d["bf16"] else ""
+
+        def save(obj, name: str) -> None:
+            path = tag_dir / name
+            torch.save(obj, path)
+            written.append(path)
+
+        if self.flavour in (ZERO12, BF16_OPTIMIZER, ZERO3):
+            optim_files = self.zero3_files() if self.flavour == ZERO3 else self.zero12_files()
+            for r, osd in enumerate(optim_files):
+                save(
+                    {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
+                    f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                )
+            if self.flavour == ZERO3:
+                for r in range(self.world_size):
+                    save(self.model_state(r, module, None), f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+            else:
+                save(self.model_state(0, module, None), "mp_rank_00_model_states.pt")
+        else:
+            optimizer = self.basic_optimizer() if self.flavour == BASIC else self.fp16_optimizer()
+            save(self.model_state(0, module, optimizer), "mp_rank_00_model_states.pt")
+        return written
+
+
+def write_checkpoint(
+    description: dict, tensors: TensorSource, out_dir: Path, tag: str, world_size: int | None = None
+) -> list[Path]:
+    """Write ``out_dir/<tag>/`` files and ``out_dir/latest`` for one step; returns the files written.
+
+    ``tensors(name, kind)`` supplies whole tensors. ``world_size`` defaults to the committed
+    one. ``latest`` is written last, so a directory without it is never a usable checkpoint.
+    Raises CorruptError if a needed tensor is missing and UnsupportedError for layouts this
+    version cannot write.
+    """
+    writer = _Writer(description, tensors, world_size or plainstate.from_plain(description)["world_size"])
+    written = writer.write(out_dir / tag)
+    if writer.stage > 0:
+        _copy_recovery_scripts(out_dir)
+    (out_dir / "latest").write_text(tag)
+    return written
+
+
+def _copy_recovery_scripts(out_dir: Path) -> None:
+    # DeepSpeed puts its offline converters next to ZeRO checkpoints; users expect them there.
+    try:
+        import deepspeed.utils as ds_utils
+    except ImportError:
+        return
+    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+        source = Path(ds_utils.__file__).with_name(script)
+        if source.exists():
+            shutil.copyfile(source, out_dir / script)

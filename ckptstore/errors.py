@@ -1,0 +1,55 @@
+"""The error hierarchy: every failure ckptstore reports is one of these.
+
+Each class carries a stable exit code so scripts and cron can tell "no such step" from
+"corruption" without parsing messages. Backends translate OS and botocore errors into these
+and mark them transient (worth retrying) or permanent.
+"""
+
+from __future__ import annotations
+
+
+class CkptStoreError(Exception):
+    """Base of every ckptstore error; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 10
+    transient = False
+
+
+class NotFoundError(CkptStoreError):
+    """A step, layer, blob, store or file that was asked for does not exist."""
+
+    exit_code = 3
+
+
+class CorruptError(CkptStoreError):
+    """Stored bytes do not match their key, or cannot be parsed."""
+
+    exit_code = 4
+
+
+class ConflictError(CkptStoreError):
+    """The request conflicts with what the store already holds (e.g. step already committed)."""
+
+    exit_code = 5
+
+
+class UnsupportedError(CkptStoreError):
+    """The engine, optimizer, store format or schema is one ckptstore cannot handle."""
+
+    exit_code = 6
+
+
+class BadInputError(CkptStoreError):
+    """An argument, URI or spec given by the user is invalid."""
+
+    exit_code = 2
+
+
+class StorageError(CkptStoreError):
+    """The object store failed (disk full, permission denied, network)."""
+
+    exit_code = 7
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient

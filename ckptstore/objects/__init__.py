@@ -1,0 +1,82 @@
+"""The object-store interface blobs and manifests are kept in, and the URI -> backend choice.
+
+Names are slash-separated relative keys such as ``blobs/ab/ab12...``. Writes are create-only
+(``put_if_absent``): content-addressed objects never change once written, so a second writer
+of the same key is told the object is already there.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from ..errors import BadInputError
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """Size in bytes and modification time (seconds since the epoch) of a stored object."""
+
+    name: str
+    size: int
+    mtime: float
+
+
+class ObjectStore(abc.ABC):
+    """A flat namespace of immutable named byte strings."""
+
+    uri: str
+
+    @abc.abstractmethod
+    def put_if_absent(self, name: str, data: bytes | memoryview) -> bool:
+        """Store ``data`` under ``name`` unless it exists; True if this call created it.
+
+        When it returns, the object is durable (fsynced / acknowledged by the server).
+        An existing object is left as it is (its time is freshened so a concurrent gc
+        treats it as new).
+        """
+
+    @abc.abstractmethod
+    def touch(self, name: str) -> bool:
+        """Freshen an existing object's time (for the gc grace period); False if it does not exist."""
+
+    @abc.abstractmethod
+    def get(self, name: str) -> bytes:
+        """The object's bytes; raises NotFoundError if it does not exist."""
+
+    @abc.abstractmethod
+    def info(self, name: str) -> ObjectInfo:
+        """Size and time of the object; raises NotFoundError if it does not exist."""
+
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` exists."""
+        from ..errors import NotFoundError
+
+        try:
+            self.info(name)
+        except NotFoundError:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove the object; deleting a missing object is not an error."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every finished object whose name starts with ``prefix`` (in-flight writes are never listed)."""
+
+
+def open_objects(uri: str, *, create: bool = True) -> ObjectStore:
+    """The backend for ``uri``: a local path or ``file://`` URI (S3 comes with its backend)."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and uri[1:3] in (":\\", ":/")):
+        from .local import LocalObjectStore
+
+        path = parsed.path if parsed.scheme == "file" else uri
+        if parsed.scheme == "file" and parsed.netloc:
+            raise BadInputError(f"file URIs name a local path (file:///abs/path), not a host: {uri}")
+        return LocalObjectStore(path, create=create)
+    raise BadInputError(f"unsupported store URI scheme {parsed.scheme!r} in {uri!r} (use a path or file://)")

@@ -1,0 +1,140 @@
+"""Objects as files under a local directory.
+
+Writes go to a uniquely named ``.tmp`` file in the target directory, are fsynced, and are
+moved into place with ``link`` (create-only: an existing name is never replaced) before the
+directory itself is fsynced, so a crash leaves either the whole object or none of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from .. import knobs
+from ..errors import BadInputError, NotFoundError, StorageError
+from . import ObjectInfo, ObjectStore
+
+# Out of space, quota and permission problems do not go away by retrying.
+_PERMANENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def _storage_error(action: str, name: str, exc: OSError) -> StorageError:
+    return StorageError(
+        f"cannot {action} {name}: {exc.strerror or exc}", transient=exc.errno not in _PERMANENT
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalObjectStore(ObjectStore):
+    """An ObjectStore over a directory; created on first use when ``create`` is true."""
+
+    def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.uri = str(self.root)
+        if self.root.exists() and not self.root.is_dir():
+            raise BadInputError(f"store path {self.root} exists and is not a directory")
+        if not self.root.exists():
+            if not create:
+                raise NotFoundError(f"no store at {self.root}")
+            try:
+                self.root.mkdir(parents=True)
+            except OSError as exc:
+                raise _storage_error("create store directory", str(self.root), exc) from None
+
+    def _path(self, name: str) -> Path:
+        parts = name.split("/")
+        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise BadInputError(f"invalid object name {name!r}")
+        if name.endswith(knobs.tmp_suffix()):
+            raise BadInputError(f"object names may not end in {knobs.tmp_suffix()}: {name!r}")
+        return self.root.joinpath(*parts)
+
+    def put_if_absent(self, name: str, data: bytes | memoryview) -> bool:
+        path = self._path(name)
+        if path.exists():
+            self._freshen(path)
+            return False
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{knobs.tmp_suffix()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+                created = True
+            except FileExistsError:
+                created = False  # another writer finished the same content first
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise _storage_error("write", name, exc) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        if not created:
+            self._freshen(path)
+        return created
+
+    @staticmethod
+    def _freshen(path: Path) -> bool:
+        # A writer that dedups against an existing object marks it as young, so a gc whose
+        # grace period protects new objects also protects this reuse (git does the same).
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def touch(self, name: str) -> bool:
+        return self._freshen(self._path(name))
+
+    def get(self, name: str) -> bytes:
+        path = self._path(name)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise NotFoundError(f"object {name} is missing from {self.uri}") from None
+        except OSError as exc:
+            raise _storage_error("read", name, exc) from None
+
+    def info(self, name: str) -> ObjectInfo:
+        try:
+            st = self._path(name).stat()
+        except FileNotFoundError:
+            raise NotFoundError(f"object {name} is missing from {self.uri}") from None
+        return ObjectInfo(name, st.st_size, st.st_mtime)
+
+    def delete(self, name: str) -> None:
+        try:
+            self._path(name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise _storage_error("delete", name, exc) from None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        suffix = knobs.tmp_suffix()
+        # Walk only the folder the prefix names, not the whole store.
+        start = self.root.joinpath(*prefix.split("/")[:-1]) if "/" in prefix else self.root
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for filename in sorted(filenames):
+                if filename.endswith(suffix):
+                    continue
+                name = filename if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{filename}"
+                if not name.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, filename))
+                except FileNotFoundError:
+                    continue
+                yield ObjectInfo(name, st.st_size, st.st_mtime)

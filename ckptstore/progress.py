@@ -1,0 +1,20 @@
+"""Progress bars for long operations: shown on a terminal, silent under cron and in pipes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+def progress_bar(
+    items: Iterable[T], *, total: int | None = None, desc: str = "", unit: str = "it"
+) -> Iterator[T]:
+    """Iterate ``items`` with a tqdm bar on stderr when it is a terminal (``CKPTSTORE_PROGRESS=0`` hides it)."""
+    show = sys.stderr.isatty() and os.environ.get("CKPTSTORE_PROGRESS", "1") != "0"
+    return iter(tqdm(items, total=total, desc=desc, unit=unit, disable=not show, leave=False))

@@ -1,0 +1,459 @@
+"""``Store``: commit, materialize, list and verify steps. Orchestration only.
+
+The parts it calls know the formats: ``deepspeed.extract``/``deepspeed.write`` the DeepSpeed
+files, ``codec`` the blob bytes, ``catalog`` the SQLite index, ``objects`` the storage medium.
+Write order of a commit: blobs, then the manifest, then the catalog row (the commit point).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import codec, knobs
+from .catalog import BlobRow, Catalog, StepRow, TensorRow
+from .errors import BadInputError, ConflictError, CorruptError, NotFoundError, UnsupportedError
+from .layers import layer_of, ordered_layers
+from .manifest import Manifest, manifest_name
+from .objects import ObjectStore, open_objects
+from .progress import progress_bar
+
+STORE_FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+
+
+def blob_name(key: str) -> str:
+    """Object name of the blob with content key ``key``."""
+    return f"blobs/{key[:2]}/{key}"
+
+
+@dataclass
+class CommitReport:
+    """What a commit stored: the step, the layers it saved, and what it added to the store."""
+
+    step: int
+    layers_saved: list[str]
+    layers_inherited: dict[str, int]
+    tensors: int
+    blobs_added: int
+    bytes_added: int
+
+
+@dataclass
+class BlobProblem:
+    """A referenced blob that is missing or corrupt, with every (step, layer, name, kind) needing it."""
+
+    blob: str
+    problem: str
+    users: list[tuple[int, str, str, str]]
+
+    def describe(self) -> str:
+        steps = sorted({u[0] for u in self.users})
+        layer, name, kind = self.users[0][1:]
+        return (
+            f"blob {self.blob} ({layer}: {name} {kind}) {self.problem}; "
+            f"needed by step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+        )
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of ``Store.verify``: problems make it fail; orphans are information only."""
+
+    blobs_checked: int = 0
+    bytes_checked: int = 0
+    deep: bool = True
+    problems: list[BlobProblem] = field(default_factory=list)
+    catalog_problems: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.catalog_problems
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise BadInputError(f"a step is a non-negative integer, not {step!r}")
+    return step
+
+
+class Store:
+    """A checkpoint store: blobs in an ObjectStore, an index in a Catalog."""
+
+    def __init__(self, objects: ObjectStore, catalog: Catalog) -> None:
+        self.objects = objects
+        self.catalog = catalog
+
+    def close(self) -> None:
+        """Release the catalog; the store stays usable by reopening it."""
+        self.catalog.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return self.catalog.steps()
+
+    def sources(self, step: int) -> dict[str, int]:
+        """Every layer of ``step`` -> the step whose tensors it uses. Raises NotFoundError."""
+        return self.catalog.sources(_check_step(step))
+
+    def log(self) -> list[StepRow]:
+        """Summary of every committed step (time, layers saved, bytes added), oldest first."""
+        return self.catalog.log()
+
+    # -- commit ----------------------------------------------------------------------------
+
+    def commit(
+        self,
+        engine: Any,
+        step: int,
+        layers: Iterable[str] | None = None,
+        client_state: dict | None = None,
+    ) -> CommitReport:
+        """Store the engine's checkpoint state as ``step``; durable when it returns.
+
+        ``layers`` = None saves every layer; a list saves only those layers and inherits the
+        rest from the newest earlier step. ``client_state`` is kept like DeepSpeed's
+        ``save_checkpoint(client_state=...)``. Raises ConflictError if the step exists,
+        BadInputError for unknown layers or a partial first commit, UnsupportedError for
+        engines ckptstore cannot store. On any error nothing is recorded.
+        """
+        from .deepspeed.extract import extract
+
+        step = _check_step(step)
+        if self.catalog.has_step(step):
+            raise ConflictError(f"step {step} is already committed")
+        snapshot = extract(engine, client_state)
+        description = snapshot.description
+        names = [key for key, role in description["module_keys"] if role != "alias"]
+        all_layers = ordered_layers(names)
+        saved = self._select_layers(step, all_layers, layers, description)
+        pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
+        rows, blobs, blobs_added, bytes_added = self._store_pieces(step, pieces)
+
+        previous = self.catalog.latest_step(before=step)
+        inherited = {} if len(saved) == len(all_layers) else self.catalog.sources(previous)
+        layer_sources = {layer: step if layer in saved else inherited[layer] for layer in all_layers}
+        manifest = Manifest(
+            step=step,
+            created_at=_now(),
+            world_size=snapshot.world_size,
+            description=json.dumps(description, sort_keys=True, separators=(",", ":")),
+            layer_sources=layer_sources,
+            tensors=rows,
+            blobs=blobs,
+        )
+        # A manifest left by a commit that died before its catalog row is not a step; replace it.
+        self.objects.delete(manifest_name(step))
+        self.objects.put_if_absent(manifest_name(step), manifest.encode())
+        self.catalog.record_step(
+            step=step,
+            created_at=manifest.created_at,
+            world_size=manifest.world_size,
+            description=manifest.description,
+            layer_sources=layer_sources,
+            tensors=rows,
+            blobs=blobs,
+            blobs_added=blobs_added,
+            bytes_added=bytes_added,
+        )
+        return CommitReport(
+            step=step,
+            layers_saved=[layer for layer in all_layers if layer in saved],
+            layers_inherited={layer: s for layer, s in layer_sources.items() if s != step},
+            tensors=len(rows),
+            blobs_added=blobs_added,
+            bytes_added=bytes_added,
+        )
+
+    def _select_layers(
+        self, step: int, all_layers: list[str], layers: Iterable[str] | None, description: dict
+    ) -> set[str]:
+        if layers is None:
+            return set(all_layers)
+        if isinstance(layers, str):
+            raise BadInputError("layers= takes a list of layer names, not a single string")
+        wanted = list(dict.fromkeys(layers))
+        unknown = [layer for layer in wanted if layer not in all_layers]
+        if unknown:
+            raise BadInputError(
+                f"unknown layer{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                f"the model's layers are {', '.join(all_layers)}"
+            )
+        if len(wanted) == len(all_layers):
+            return set(wanted)
+        previous = self.catalog.latest_step(before=step)
+        if previous is None:
+            raise BadInputError(
+                f"step {step} would be the store's first step, so it must save every layer (layers=None)"
+            )
+        self._check_inheritable(previous, all_layers, description)
+        return set(wanted)
+
+    def _check_inheritable(self, previous: int, all_layers: list[str], description: dict) -> None:
+        before = json.loads(self.catalog.description(previous))
+        same_layers = list(self.catalog.sources(previous)) == all_layers
+        same_params = before["params"] == description["params"]
+        if not (same_layers and same_params and before["world_size"] == description["world_size"]):
+            raise BadInputError(
+                f"the model or world size changed since step {previous}, so layers cannot be "
+                "inherited from it; commit every layer (layers=None)"
+            )
+
+    def _store_pieces(self, step: int, pieces: list) -> tuple[list[TensorRow], list[BlobRow], int, int]:
+        def store(piece) -> tuple[TensorRow, BlobRow, bool]:
+            key = codec.tensor_key(piece.tensor)
+            name = blob_name(key)
+            raw_size = piece.tensor.numel() * piece.tensor.element_size()
+            created = False
+            # Hashing is cheap, compressing is not: an existing blob is only freshened.
+            if self.objects.touch(name):
+                size = self.objects.info(name).size
+            else:
+                key, data = codec.encode(piece.tensor)
+                created = self.objects.put_if_absent(name, data)
+                size = len(data)
+            row = TensorRow(
+                step, layer_of(piece.name), piece.name, piece.kind, piece.start, piece.tensor.numel(), key
+            )
+            return row, BlobRow(key, size, raw_size), created
+
+        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+            results = list(pool.map(store, pieces))
+        rows = [r for r, _, _ in results]
+        blobs: dict[str, BlobRow] = {}
+        created_keys: dict[str, int] = {}
+        for _, blob, created in results:
+            blobs[blob.key] = blob
+            if created:
+                created_keys[blob.key] = blob.size
+        return rows, list(blobs.values()), len(created_keys), sum(created_keys.values())
+
+    # -- materialize -----------------------------------------------------------------------
+
+    def materialize(
+        self, step: int, out: str | os.PathLike, *, world_size: int | None = None, force: bool = False
+    ) -> Path:
+        """Write a DeepSpeed checkpoint directory for ``step`` at ``out`` and return its path.
+
+        ``out`` gets ``latest`` and ``global_step<step>/``; ``engine.load_checkpoint(out)``
+        resumes from it. The directory is built beside ``out`` and renamed into place, so
+        ``out`` never holds a partial checkpoint. An existing non-empty ``out`` is refused
+        unless ``force``. Raises NotFoundError (unknown step, missing blob), CorruptError
+        (a blob fails verification: nothing is written), ConflictError (non-empty ``out``).
+        """
+        from .deepspeed.write import write_checkpoint
+
+        step = _check_step(step)
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise BadInputError(f"world size must be a positive integer, not {world_size!r}")
+        description = json.loads(self.catalog.description(step))
+        out = Path(out).absolute()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+            raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
+        tensors = self._load_tensors(step, description)
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            write_checkpoint(description, tensors, staging, f"global_step{step}", world_size)
+            self._swap_into_place(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return out
+
+    @staticmethod
+    def _swap_into_place(staging: Path, out: Path) -> None:
+        if out.exists():
+            trash = out.parent / f".{out.name}.ckptstore-old-{uuid.uuid4().hex[:8]}"
+            out.rename(trash)
+            staging.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            staging.rename(out)
+
+    def _load_tensors(self, step: int, description: dict) -> Callable[[str, str], torch.Tensor | None]:
+        """Fetch, verify and assemble every tensor ``step`` needs; returns a (name, kind) lookup."""
+        sources = self.catalog.sources(step)
+        by_source: dict[int, list[str]] = defaultdict(list)
+        for layer, source in sources.items():
+            by_source[source].append(layer)
+        rows = [row for source, layers in by_source.items() for row in self.catalog.tensors(source, layers)]
+        missing_layers = set(sources) - {row.layer for row in rows}
+        if missing_layers:
+            raise CorruptError(
+                f"the catalog has no tensors for layers {', '.join(sorted(missing_layers))} of step {step}"
+            )
+        decoded = self._fetch({row.blob: row for row in rows}, step)
+        fragments: dict[tuple[str, str], list[TensorRow]] = defaultdict(list)
+        for row in rows:
+            fragments[(row.name, row.kind)].append(row)
+
+        params = description["params"]
+        handed_out: set[str] = set()
+
+        def whole(key: str) -> torch.Tensor:
+            # Identical tensors share one blob; each caller gets its own storage, because the
+            # loader may keep the object (torch's Optimizer.load_state_dict does not copy).
+            tensor = decoded[key]
+            if key in handed_out:
+                return tensor.clone()
+            handed_out.add(key)
+            return tensor
+
+        def tensor(name: str, kind: str) -> torch.Tensor | None:
+            parts = fragments.get((name, kind))
+            if not parts:
+                return None
+            first = decoded[parts[0].blob]
+            shape = params[name]["shape"] if name in params else list(first.shape)
+            numel = math.prod(shape)
+            if len(parts) == 1 and parts[0].start == 0 and parts[0].numel == numel:
+                return whole(parts[0].blob).reshape(shape)
+            full = torch.empty(numel, dtype=first.dtype)
+            covered = 0
+            for part in sorted(parts, key=lambda p: p.start):
+                if part.start != covered:
+                    raise CorruptError(
+                        f"fragments of {name} {kind} do not tile the tensor (gap or overlap at {covered})"
+                    )
+                full[part.start : part.start + part.numel] = decoded[part.blob].reshape(-1)
+                covered += part.numel
+            if covered != numel:
+                raise CorruptError(f"fragments of {name} {kind} cover {covered} of {numel} elements")
+            return full.reshape(shape)
+
+        return tensor
+
+    def _fetch(self, rows_by_blob: dict[str, TensorRow], step: int) -> dict[str, torch.Tensor]:
+        def fetch(item: tuple[str, TensorRow]) -> tuple[str, torch.Tensor]:
+            key, row = item
+            where = f"{row.layer}: {row.name} {row.kind}, saved at step {row.step}"
+            try:
+                data = self.objects.get(blob_name(key))
+            except NotFoundError:
+                raise NotFoundError(
+                    f"blob {key} ({where}) is missing; step {step} cannot be materialized"
+                ) from None
+            try:
+                return key, codec.decode(data, key)
+            except CorruptError as exc:
+                raise CorruptError(
+                    f"blob {key} ({where}) is corrupt: {exc}; step {step} cannot be materialized"
+                ) from None
+
+        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+            items = progress_bar(
+                pool.map(fetch, rows_by_blob.items()),
+                total=len(rows_by_blob),
+                desc=f"fetch step {step}",
+                unit="blob",
+            )
+            return dict(items)
+
+    # -- verify ----------------------------------------------------------------------------
+
+    def verify(self, *, deep: bool = True) -> VerifyReport:
+        """Check every blob the committed steps reference.
+
+        Fast mode checks presence, size and header; ``deep`` also decodes and re-hashes every
+        blob. Read-only: problems are reported, never repaired. Unreferenced blobs are listed
+        as orphans (information, not a problem).
+        """
+        users = self.catalog.referenced_blobs()
+        sizes = self.catalog.blob_sizes(users)
+        report = VerifyReport(deep=deep)
+        for blob in users:
+            if blob not in sizes:
+                report.catalog_problems.append(f"blob {blob} is referenced but has no size record")
+
+        def check(key: str) -> tuple[str, str | None, int]:
+            name = blob_name(key)
+            try:
+                if deep:
+                    data = self.objects.get(name)
+                    codec.decode(data, key)
+                    return key, None, len(data)
+                info = self.objects.info(name)
+                if key in sizes and info.size != sizes[key].size:
+                    return key, f"has {info.size} bytes, the catalog recorded {sizes[key].size}", info.size
+                codec.parse_header(self.objects.get(name)[:512]) if info.size else None
+                return key, None, info.size
+            except NotFoundError:
+                return key, "is missing", 0
+            except CorruptError as exc:
+                return key, f"is corrupt ({exc})", 0
+
+        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+            for key, problem, size in progress_bar(
+                pool.map(check, users), total=len(users), desc="verify", unit="blob"
+            ):
+                report.blobs_checked += 1
+                report.bytes_checked += size
+                if problem:
+                    report.problems.append(BlobProblem(key, problem, users[key]))
+        referenced = set(users)
+        report.orphans = sorted(
+            info.name.rsplit("/", 1)[-1]
+            for info in self.objects.list("blobs/")
+            if info.name.rsplit("/", 1)[-1] not in referenced
+        )
+        return report
+
+
+def open(uri: str | os.PathLike, *, create: bool = True) -> Store:  # noqa: A001 - the public name
+    """Open (and by default create) the store at ``uri``: a path or ``file://`` URI.
+
+    Raises NotFoundError if the store does not exist and ``create`` is false,
+    UnsupportedError if it was written by a newer ckptstore format.
+    """
+    uri = os.fspath(uri)
+    if not uri:
+        raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
+    objects = open_objects(uri, create=create)
+    _check_config(objects)
+    root = getattr(objects, "root", None)
+    if root is None:
+        raise UnsupportedError(f"{uri}: only local stores are supported by this version")
+    return Store(objects, Catalog(Path(root) / "catalog.db"))
+
+
+def _check_config(objects: ObjectStore) -> None:
+    try:
+        config = json.loads(objects.get(CONFIG_NAME))
+    except NotFoundError:
+        config = {"format_version": STORE_FORMAT_VERSION, "hash": "xxh3-128", "codec": "ckpb1+zstd"}
+        objects.put_if_absent(CONFIG_NAME, json.dumps(config, sort_keys=True).encode())
+        return
+    except ValueError:
+        raise CorruptError(f"{objects.uri}/{CONFIG_NAME} is not valid JSON") from None
+    version = config.get("format_version")
+    if not isinstance(version, int) or version > STORE_FORMAT_VERSION:
+        raise UnsupportedError(
+            f"the store {objects.uri} has format version {version}; this ckptstore reads up to "
+            f"{STORE_FORMAT_VERSION} (upgrade ckptstore)"
+        )

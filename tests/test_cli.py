@@ -1,0 +1,136 @@
+"""The command line: one line per error, documented exit codes, never a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+import ckptstore
+from ckptstore.cli import main
+from tools.engines import batches, build_engine, train
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """Run the CLI in this process, as the console script would, and capture what it printed."""
+
+    def invoke(*args, env_store=None):
+        monkeypatch.delenv("CKPTSTORE_STORE", raising=False)
+        if env_store:
+            monkeypatch.setenv("CKPTSTORE_STORE", str(env_store))
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code or 0
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+
+    return invoke
+
+
+def test_the_console_script_reports_errors_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptstore.cli", "--store", str(tmp_path / "none"), "verify"],
+        capture_output=True, text=True, env={**os.environ, "CKPTSTORE_STORE": ""},
+    )  # fmt: skip
+    assert result.returncode == 3
+    assert result.stderr.strip() == f"error: no store at {tmp_path / 'none'}"
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "store"
+    store = ckptstore.open(path)
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(2))
+    store.commit(engine, step=300)
+    store.commit(engine, step=400, layers=["model.layers.1"])
+    store.close()
+    return path
+
+
+def test_log_lists_steps_with_layers_saved(run, store_path):
+    result = run("--store", store_path, "log")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[0] == "step"
+    assert lines[1].split()[0] == "300" and "5/5" in lines[1]
+    assert lines[2].split()[0] == "400" and "1/5" in lines[2]
+    rows = [json.loads(line) for line in run("--store", store_path, "log", "--json").stdout.splitlines()]
+    assert [r["step"] for r in rows] == [300, 400] and rows[1]["bytes_added"] == 0
+
+
+def test_materialize_writes_a_deepspeed_directory(run, store_path, tmp_path):
+    result = run("materialize", "--step", 400, tmp_path / "out", env_store=store_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "latest").read_text() == "global_step400"
+    assert (tmp_path / "out" / "global_step400" / "mp_rank_00_model_states.pt").exists()
+    assert (tmp_path / "out" / "global_step400" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
+
+
+def test_verify_is_clean_and_says_so(run, store_path):
+    result = run("--store", store_path, "verify")
+    assert result.returncode == 0 and "clean" in result.stdout
+    report = json.loads(run("--store", store_path, "verify", "--json").stdout)
+    assert report["ok"] and report["problems"] == []
+
+
+def test_verify_names_a_corrupt_blob_and_exits_1(run, store_path, tmp_path):
+    blob = sorted((store_path / "blobs").rglob("*"))[-1]
+    original = blob.read_bytes()
+    blob.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+    try:
+        result = run("--store", store_path, "verify")
+        assert result.returncode == 1
+        assert blob.name in result.stdout and "corrupt" in result.stdout
+        result = run("--store", store_path, "materialize", "--step", 400, tmp_path / "out")
+        assert result.returncode == 4 and blob.name in result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    finally:
+        blob.write_bytes(original)
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["materialize", "--step", "7", "OUT"], 3, "step 7 does not exist"),
+        (["log"], 3, "no store at"),
+        (["materialize", "OUT"], 2, "Missing option '--step'"),
+    ],
+)
+def test_bad_input_gives_one_line_and_a_documented_exit_code(run, store_path, tmp_path, args, code, message):
+    store = store_path if args != ["log"] else tmp_path / "missing"
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    result = run("--store", store, *args)
+    assert result.returncode == code
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_empty_output_is_refused_without_force(run, store_path, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    result = run("--store", store_path, "materialize", "--step", 300, tmp_path / "out")
+    assert result.returncode == 5 and "--force" in result.stderr
+    assert (
+        run("--store", store_path, "materialize", "--step", 300, "--force", tmp_path / "out").returncode == 0
+    )
+
+
+def test_help_explains_every_command(run):
+    result = run("--help")
+    for command in ("materialize", "log", "verify"):
+        assert command in result.stdout
+    assert "Example:" in run("materialize", "--help").stdout

@@ -1,0 +1,189 @@
+"""Committing real DeepSpeed engines and resuming from materialized checkpoints, bit-exactly."""
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.deepspeed.extract import extract
+from ckptstore.errors import BadInputError, ConflictError, CorruptError, NotFoundError
+from tools.engines import batches, build_engine, train
+
+DATA = batches(6)
+
+
+def state_values(engine) -> dict[tuple[str, str], torch.Tensor]:
+    """Every (name, kind) tensor of a one-rank engine's checkpoint state, copied."""
+    return {(p.name, p.kind): p.tensor.clone() for p in extract(engine).pieces}
+
+
+def module_weights(engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.module_state_dict().items()}
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_from_materialized_step_gives_the_uninterrupted_losses(tmp_path, model, stage, dtype):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine(model, zero_stage=stage, dtype=dtype, seed=0)
+    train(engine, DATA[:3])
+    store.commit(engine, step=3)
+    uninterrupted = train(engine, DATA[3:])
+
+    store.materialize(3, tmp_path / "out")
+    resumed = build_engine(model, zero_stage=stage, dtype=dtype, seed=99)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    assert resumed.global_steps == 3  # load_checkpoint silently loads nothing without `latest`
+    assert train(resumed, DATA[3:]) == uninterrupted
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_composite_step_gives_each_layer_the_tensors_of_the_step_that_saved_it(tmp_path, stage):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=4)
+    train(engine, DATA[:2])
+    store.commit(engine, step=4)
+    at_4 = state_values(engine)
+    train(engine, DATA[2:4])
+    store.commit(engine, step=6, layers=["model.layers.1", "model.layers.3"])
+    at_6 = state_values(engine)
+
+    assert store.steps() == [4, 6]
+    sources = store.sources(6)
+    assert sources == {
+        "model.embed_tokens": 4, "model.layers.0": 4, "model.layers.1": 6, "model.layers.2": 4,
+        "model.layers.3": 6, "model.norm": 4, "lm_head": 4,
+    }  # fmt: skip
+
+    store.materialize(6, tmp_path / "out")
+    resumed = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=4)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    assert resumed.global_steps == engine.global_steps
+    loaded = state_values(resumed)
+    assert loaded.keys() == at_6.keys()
+    for (name, kind), tensor in loaded.items():
+        layer = ckptstore.layers.layer_of(name)
+        expected = (at_6 if sources[layer] == 6 else at_4)[(name, kind)]
+        assert torch.equal(tensor, expected), (name, kind)
+    if stage < 3:  # module weights are the masters cast down, for inherited layers too
+        for name, weight in module_weights(resumed).items():
+            if (name, "fp32") in loaded:
+                assert torch.equal(weight, loaded[(name, "fp32")].to(weight.dtype)), name
+    losses = train(resumed, DATA[4:])
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in losses)
+
+
+def test_recommits_and_partial_commits_add_few_bytes(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=8)
+    train(engine, DATA[:2])
+    full = store.commit(engine, step=2)
+    unchanged = store.commit(engine, step=3)
+    train(engine, DATA[2:3])
+    partial = store.commit(engine, step=4, layers=["model.layers.2", "model.layers.5"])
+    assert full.bytes_added > 0
+    assert unchanged.bytes_added < 0.05 * full.bytes_added
+    assert partial.bytes_added < 0.30 * full.bytes_added
+    assert partial.layers_saved == ["model.layers.2", "model.layers.5"]
+    log = {row.step: row for row in store.log()}
+    assert log[2].bytes_added == full.bytes_added and log[4].layers_saved == 2 and log[4].layers_total == 11
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    store = ckptstore.open(root / "store")
+    engine = build_engine("gpt2", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    train(engine, DATA[:2])
+    store.commit(engine, step=2)
+    train(engine, DATA[2:3])
+    store.commit(engine, step=3, layers=["transformer.h.1"])
+    store.close()
+    return root / "store"
+
+
+def blob_files(store_path):
+    return sorted(p for p in (store_path / "blobs").rglob("*") if p.is_file())
+
+
+def test_every_flipped_blob_is_named_by_verify_and_stops_materialize(small_store, tmp_path):
+    store = ckptstore.open(small_store)
+    assert store.verify().ok
+    for path in blob_files(small_store):
+        original = path.read_bytes()
+        damaged = bytearray(original)
+        damaged[len(damaged) // 2] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        try:
+            report = store.verify()
+            assert [p.blob for p in report.problems] == [path.name]
+            assert "corrupt" in report.problems[0].describe()
+            needed_by = {u[0] for u in report.problems[0].users}
+            with pytest.raises(CorruptError, match=path.name):
+                store.materialize(max(needed_by), tmp_path / "out")
+            assert not (tmp_path / "out").exists()
+        finally:
+            path.write_bytes(original)
+    assert store.verify().ok
+
+
+def test_a_deleted_blob_is_reported_against_every_step_that_needs_it(small_store, tmp_path):
+    store = ckptstore.open(small_store)
+    sources = store.sources(3)
+    inherited_layer = next(layer for layer, source in sources.items() if source == 2)
+    rows = store.catalog.tensors(2, [inherited_layer])
+    path = small_store / "blobs" / rows[0].blob[:2] / rows[0].blob
+    original = path.read_bytes()
+    path.unlink()
+    try:
+        report = store.verify(deep=False)
+        assert len(report.problems) == 1 and report.problems[0].problem == "is missing"
+        assert sorted({u[0] for u in report.problems[0].users}) == [2, 3]
+        with pytest.raises(NotFoundError, match=rows[0].blob):
+            store.materialize(3, tmp_path / "out")
+    finally:
+        path.write_bytes(original)
+
+
+def test_materialize_refuses_unknown_steps_and_non_empty_output(small_store, tmp_path):
+    store = ckptstore.open(small_store)
+    with pytest.raises(NotFoundError, match="step 7 does not exist; committed steps: 2, 3"):
+        store.materialize(7, tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ConflictError, match="not empty"):
+        store.materialize(3, tmp_path / "out")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    store.materialize(3, tmp_path / "out", force=True)
+    assert (tmp_path / "out" / "latest").read_text() == "global_step3"
+    assert not (tmp_path / "out" / "keep.txt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging directories left behind
+
+
+def test_commit_refuses_bad_layer_selections_and_duplicate_steps(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=0, dtype="fp32", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    with pytest.raises(BadInputError, match="first step, so it must save every layer"):
+        store.commit(engine, step=1, layers=["model.layers.0"])
+    store.commit(engine, step=1)
+    with pytest.raises(BadInputError, match="unknown layer model.layers.9"):
+        store.commit(engine, step=2, layers=["model.layers.9"])
+    with pytest.raises(BadInputError, match="not a single string"):
+        store.commit(engine, step=2, layers="model.layers.0")
+    with pytest.raises(ConflictError, match="step 1 is already committed"):
+        store.commit(engine, step=1)
+    with pytest.raises(BadInputError, match="non-negative integer"):
+        store.commit(engine, step=-1)
+    assert store.steps() == [1]
+
+
+def test_client_state_round_trips_into_the_checkpoint(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=2, dtype="fp32", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    store.commit(engine, step=1, client_state={"epoch": 3, "position": (17, 2)})
+    store.materialize(1, tmp_path / "out")
+    resumed = build_engine("llama", zero_stage=2, dtype="fp32", seed=5, num_layers=2)
+    _, client_state = resumed.load_checkpoint(str(tmp_path / "out"))
+    assert client_state["epoch"] == 3 and client_state["position"] == (17, 2)

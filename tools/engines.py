@@ -1,0 +1,281 @@
+"""Tiny, deterministic, real DeepSpeed engines for tests, demos and benchmarks.
+
+Shared by ``tests/`` (``from tools.engines import ...``; tests/conftest.py puts the repo root on
+sys.path) and by ``tools/demo.py`` / ``tools/bench.py``.
+
+    setup_single_process_env()                  # before the first build_engine (idempotent)
+    eng = build_engine("llama", zero_stage=2, dtype="bf16", seed=0)
+    losses = train(eng, batches(3))
+    eng.save_checkpoint(path)
+    destroy_engine(eng)                         # optional, frees memory between engines
+
+Notes for building many engines in ONE process (what pytest does), checked with deepspeed 0.19.8,
+torch 2.13 CPU:
+
+* ``deepspeed`` must be imported only after ``DS_ACCELERATOR=cpu`` is set (the accelerator is picked
+  once, at first use); ``setup_single_process_env`` does that and this module imports deepspeed lazily.
+* The process group is created once, by the first ``deepspeed.initialize`` (via
+  ``deepspeed.init_distributed``, gloo backend on CPU), and reused by every later engine. Never
+  destroy it between engines; ``build_engine`` calls ``init_distributed`` itself, which is a no-op
+  once initialized. The first build also JIT-compiles DeepSpeed's shm comm op (gcc, a few seconds,
+  cached afterwards under ~/.cache/torch_extensions).
+* Old engines need not be destroyed for correctness: engines built one after another are fully
+  independent (same seed -> bit-identical losses, whatever was built before). Dropping the last
+  reference frees most memory; ``destroy_engine`` additionally runs ``engine.destroy()`` (removes
+  ZeRO-3 hooks, releases optimizer buffers) and ``gc.collect()`` -- use it in loops over big models.
+* Exit: see ``finalize_distributed`` (tests/conftest.py calls it at session end).
+* Determinism: dropout is disabled in both models (RNG state is not part of a DeepSpeed checkpoint,
+  so dropout would break bit-exact resume comparisons), attention is "eager", and the model is built
+  under ``torch.manual_seed(seed)`` with the global RNG state restored afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import socket
+from typing import Any
+
+import torch
+
+__all__ = [
+    "setup_single_process_env",
+    "build_model",
+    "build_engine",
+    "ds_config",
+    "batches",
+    "train",
+    "destroy_engine",
+    "finalize_distributed",
+    "param_count",
+]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_single_process_env() -> None:
+    """Environment for a 1-rank CPU DeepSpeed job. Never overrides values already set (e.g. by
+    torch.distributed.run / the deepspeed launcher)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+
+
+def _deep_update(base: dict, over: dict) -> dict:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_update(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def build_model(
+    model: str = "llama",
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden: int = 32,
+    vocab: int = 128,
+    max_positions: int = 256,
+) -> torch.nn.Module:
+    """A tiny randomly initialised HF causal LM, in fp32.
+
+    llama: ``LlamaForCausalLM`` with untied embeddings; gpt2: ``GPT2LMHeadModel`` (tied wte/lm_head).
+    Sizes scale with ``hidden``: heads = max(1, hidden // 64) (min 4 heads when hidden >= 32 and
+    divisible), intermediate = ~8/3 * hidden (llama, rounded to a multiple of 8) / 4 * hidden (gpt2).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if hidden >= 256:
+        heads = max(1, hidden // 64)
+    else:
+        heads = 4 if hidden % 4 == 0 and hidden >= 16 else 1
+    assert hidden % heads == 0, (hidden, heads)
+
+    rng_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        if model == "llama":
+            inter = max(8, (8 * hidden // 3 + 7) // 8 * 8)
+            cfg = LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                intermediate_size=inter,
+                num_hidden_layers=num_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=heads,
+                max_position_embeddings=max_positions,
+                tie_word_embeddings=False,
+                attention_dropout=0.0,
+                rms_norm_eps=1e-5,
+            )
+            cfg._attn_implementation = "eager"
+            m = LlamaForCausalLM(cfg)
+        elif model == "gpt2":
+            cfg = GPT2Config(
+                vocab_size=vocab,
+                n_embd=hidden,
+                n_layer=num_layers,
+                n_head=heads,
+                n_positions=max_positions,
+                n_inner=4 * hidden,
+                tie_word_embeddings=True,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                summary_first_dropout=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+            cfg._attn_implementation = "eager"
+            m = GPT2LMHeadModel(cfg)
+        else:
+            raise ValueError(f"unknown model {model!r} (llama | gpt2)")
+    finally:
+        torch.set_rng_state(rng_state)
+    m.train()
+    return m
+
+
+def param_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The common HF split: no weight decay for biases and norm weights -> 2 param groups."""
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():  # tied params are yielded once
+        if not p.requires_grad:
+            continue
+        lname = name.lower()
+        if name.endswith("bias") or "norm" in lname or ".ln_" in lname:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def ds_config(
+    zero_stage: int = 0,
+    dtype: str = "fp32",
+    scheduler: bool = True,
+    lr: float = 1e-2,
+    weight_decay: float = 0.01,
+    **config_overrides: Any,
+) -> dict:
+    """The DeepSpeed config dict used by build_engine (config_overrides are deep-merged)."""
+    if dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"dtype must be fp32|bf16|fp16, not {dtype!r}")
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay},
+        },
+        "zero_optimization": {"stage": zero_stage},
+    }
+    if scheduler:
+        cfg["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": lr,
+                "warmup_num_steps": 10,
+                "warmup_type": "linear",
+            },
+        }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return _deep_update(cfg, copy.deepcopy(config_overrides))
+
+
+def build_engine(
+    model: str = "llama",
+    zero_stage: int = 0,
+    dtype: str = "fp32",
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden: int = 32,
+    vocab: int = 128,
+    scheduler: bool = True,
+    lr: float = 1e-2,
+    weight_decay: float = 0.01,
+    **config_overrides: Any,
+):
+    """Build a real DeepSpeed engine around a tiny HF model (see build_model / ds_config).
+
+    Optimizer: DeepSpeed's "AdamW" (FusedAdam in adam_w_mode, which works on CPU); pass
+    ``optimizer={"params": {"torch_adam": True}}`` to get torch.optim.AdamW instead.
+    Two param groups (decay / no decay). fp16 is passed through; the CPU accelerator refuses it.
+    """
+    setup_single_process_env()
+    import deepspeed
+
+    # No-op after the first call; the process group lives for the whole process.
+    deepspeed.init_distributed(dist_backend=None, verbose=False)
+
+    module = build_model(model, seed=seed, num_layers=num_layers, hidden=hidden, vocab=vocab)
+    cfg = ds_config(
+        zero_stage, dtype, scheduler=scheduler, lr=lr, weight_decay=weight_decay, **config_overrides
+    )
+    engine, _opt, _dl, _sched = deepspeed.initialize(
+        model=module, model_parameters=_param_groups(module, weight_decay), config=cfg
+    )
+    return engine
+
+
+def batches(n: int, seed: int = 1234, vocab: int = 128, seq: int = 16, batch: int = 2) -> list[torch.Tensor]:
+    """``n`` deterministic ``(batch, seq)`` int64 input_ids tensors (independent of global RNG)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g, dtype=torch.long) for _ in range(n)]
+
+
+def train(engine, batch_list) -> list[float]:
+    """One optimizer step per batch (micro batch == batch); returns the losses as floats."""
+    losses = []
+    dev = engine.device
+    for b in batch_list:
+        b = b.to(dev)
+        loss = engine(input_ids=b, labels=b).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float().item()))
+    return losses
+
+
+def destroy_engine(engine) -> None:
+    """Release an engine's resources (hooks, optimizer buffers). The process group is kept."""
+    try:
+        engine.destroy()
+    finally:
+        gc.collect()
+
+
+def finalize_distributed() -> None:
+    """Destroy the default process group if one exists. Safe to call more than once."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover - best effort at shutdown
+        pass
