@@ -187,3 +187,51 @@ def test_client_state_round_trips_into_the_checkpoint(tmp_path):
     resumed = build_engine("llama", zero_stage=2, dtype="fp32", seed=5, num_layers=2)
     _, client_state = resumed.load_checkpoint(str(tmp_path / "out"))
     assert client_state["epoch"] == 3 and client_state["position"] == (17, 2)
+
+
+def build_variant(stage, dtype, seed, freeze=None, **overrides):
+    """An engine whose layers listed in ``freeze`` do not train (requires_grad=False)."""
+    import deepspeed
+
+    from tools.engines import build_model, ds_config
+
+    module = build_model("llama", seed=seed, num_layers=3)
+    for name, param in module.named_parameters():
+        if freeze and any(name.startswith(prefix + ".") for prefix in freeze):
+            param.requires_grad_(False)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in trainable if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for p in trainable if p.dim() <= 1], "weight_decay": 0.0},
+    ]
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=groups, config=ds_config(stage, dtype, **overrides)
+    )
+    return engine
+
+
+@pytest.mark.parametrize(
+    "stage, dtype, freeze, overrides",
+    [
+        (1, "bf16", None, {"data_types": {"grad_accum_dtype": "fp32"}}),  # BF16_Optimizer
+        (0, "fp32", None, {"optimizer": {"params": {"torch_adam": True}}}),  # torch AdamW, tensor steps
+        (2, "bf16", None, {"optimizer": {"params": {"torch_adam": True}}}),
+        (1, "fp32", ["model.layers.0"], {}),
+        (2, "bf16", ["model.layers.0"], {}),
+        (3, "bf16", ["model.layers.0"], {}),
+        (3, "fp32", None, {"zero_optimization": {"sub_group_size": 2000}}),  # several ZeRO-3 sub-groups
+    ],
+    ids=["bf16-optimizer", "torch-adam-zero0", "torch-adam-zero2", "frozen-zero1", "frozen-zero2", "frozen-zero3",
+         "zero3-subgroups"],
+)  # fmt: skip
+def test_engine_variants_resume_bit_exactly(tmp_path, stage, dtype, freeze, overrides):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_variant(stage, dtype, 0, freeze, **overrides)
+    train(engine, DATA[:3])
+    store.commit(engine, step=3)
+    uninterrupted = train(engine, DATA[3:])
+    store.materialize(3, tmp_path / "out")
+    resumed = build_variant(stage, dtype, 42, freeze, **overrides)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    assert resumed.global_steps == 3
+    assert train(resumed, DATA[3:]) == uninterrupted

@@ -144,6 +144,21 @@ class _Writer:
         parts = [self.tensor(n, kind).reshape(-1) for n in names]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
 
+    def partitioned(self, names: list[str], kind: str, size: int) -> list[torch.Tensor]:
+        """``kind`` of ``names`` laid end to end, zero-padded and cut into one buffer per rank."""
+        buffers = None
+        offset = 0
+        for name in names:
+            flat = self.tensor(name, kind).reshape(-1)
+            if buffers is None:
+                buffers = [torch.zeros(size, dtype=flat.dtype) for _ in range(self.world_size)]
+            end = offset + flat.numel()
+            for r in range(offset // size, min(self.world_size, -(-end // size))):
+                lo, hi = max(offset, r * size), min(end, (r + 1) * size)
+                buffers[r][lo - r * size : hi - r * size] = flat[lo - offset : hi - offset]
+            offset = end
+        return buffers or [torch.zeros(size, dtype=torch.float32) for _ in range(self.world_size)]
+
     def zero12_files(self) -> list[dict]:
         W = self.world_size
         groups = self.d["groups"]
@@ -154,19 +169,18 @@ class _Writer:
             names = group["params"]
             used = sum(self.shape(n).numel() for n in names)
             size = flat_partition_size(used, W)
-            flats = {
-                kind: _pad_to(self.flat(names, kind), size * W) for kind in [FP32, *group["state_kinds"]]
-            }
+            # Each rank's partition gets its own zero-filled buffer (the tail padding), and every
+            # parameter is copied straight into the ranks it overlaps: one copy per element.
+            partitions = {kind: self.partitioned(names, kind, size) for kind in [FP32, *group["state_kinds"]]}
             for r, out in enumerate(per_rank):
                 lo, hi = r * size, (r + 1) * size
                 padding = size if used <= lo else (hi - used if used < hi else 0)
-                fp32 = flats[FP32][lo:hi]
-                if self.flavour == ZERO12:
-                    fp32 = fp32[: size - padding]
-                out["fp32"].append(fp32.clone())
+                fp32 = partitions[FP32][r]
+                # ZeRO 1/2 save the fp32 partition without its padding (a view, as DeepSpeed does).
+                out["fp32"].append(fp32[: size - padding] if self.flavour == ZERO12 else fp32)
                 out["paddings"].append(padding)
                 entry = dict(group["scalars"])
-                entry.update({kind: flats[kind][lo:hi].clone() for kind in group["state_kinds"]})
+                entry.update({kind: partitions[kind][r] for kind in group["state_kinds"]})
                 out["state"][g] = entry
                 out["param_groups"].append({**group["hyper"], "params": [g]})
                 out["mappings"].append(self.slice_mappings(names, lo, hi))
