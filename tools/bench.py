@@ -36,9 +36,9 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def timed(fn) -> tuple[float, object]:
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
     start = time.perf_counter()
-    result = fn()
+    result = fn(*args, **kwargs)
     return time.perf_counter() - start, result
 
 
@@ -96,20 +96,20 @@ def main() -> int:
     for rep in range(args.reps):
         store = ckptstore.open(work / f"store{rep}")
         step += 1
-        t, report = timed(lambda s=step: store.commit(engine, s))
+        t, report = timed(store.commit, engine, step)
         full_times.append(t), full_bytes.append(report.bytes_added)
         step += 1
-        t, report = timed(lambda s=step: store.commit(engine, s))
+        t, report = timed(store.commit, engine, step)
         re_times.append(t), re_bytes.append(report.bytes_added)
         train(engine, data[1 + rep : 2 + rep])
         step += 1
-        t, report = timed(lambda s=step: store.commit(engine, s, layers=two_of_n))
+        t, report = timed(store.commit, engine, step, layers=two_of_n)
         part_times.append(t), part_bytes.append(report.bytes_added)
         train(engine, data[1 + rep : 2 + rep])
         step += 1
-        t, _ = timed(lambda s=step: store.commit(engine, s, layers=blocks[rep % 2 :: 2]))
+        t, _ = timed(store.commit, engine, step, layers=blocks[rep % 2 :: 2])
         half_times.append(t)
-        mat_times.append(timed(lambda s=step: store.materialize(s, work / "mat", force=True))[0])
+        mat_times.append(timed(store.materialize, step, work / "mat", force=True)[0])
         store.close()
 
     med = statistics.median

@@ -25,8 +25,9 @@ def main() -> int:
     setup_single_process_env()
     import logging
 
-    import ckptstore
     from deepspeed.utils import logger as ds_logger
+
+    import ckptstore
 
     ds_logger.setLevel(logging.WARNING)  # keep the demo's own lines readable
 
