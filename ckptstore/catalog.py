@@ -60,10 +60,11 @@ class Catalog:
 
         self.path = Path(path)
         try:
-            self.db = Database(self.path)
+            # Ranks of one job open the same catalog at once: wait for locks instead of failing.
+            self.db = Database(sqlite3.connect(self.path, timeout=60, isolation_level=None))
+            self.db.execute("PRAGMA busy_timeout=60000")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
-            self.db.execute("PRAGMA busy_timeout=30000")
             schema = migrations()
             known = {m.name for m in schema._migrations}
             newer = [m.name for m in schema.applied(self.db) if m.name not in known]
@@ -72,7 +73,15 @@ class Catalog:
                     f"the catalog {self.path} has schema migrations this ckptstore does not know "
                     f"({', '.join(newer)}); upgrade ckptstore to open it"
                 )
-            schema.apply(self.db)
+            if schema.pending(self.db):
+                # One writer at a time: the others wait here and then find nothing pending.
+                self.db.execute("BEGIN IMMEDIATE")
+                try:
+                    schema.apply(self.db)
+                    self.db.execute("COMMIT")
+                except BaseException:
+                    self.db.execute("ROLLBACK")
+                    raise
         except sqlite3.DatabaseError as exc:
             raise CorruptError(f"catalog {self.path} cannot be opened: {exc}") from None
 

@@ -13,7 +13,7 @@ import os
 import shutil
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import codec, knobs
+from . import codec, collective, knobs
 from .catalog import BlobRow, Catalog, StepRow, TensorRow
 from .errors import BadInputError, ConflictError, CorruptError, NotFoundError, UnsupportedError
 from .layers import layer_of, ordered_layers
@@ -49,6 +49,19 @@ class CommitReport:
     tensors: int
     blobs_added: int
     bytes_added: int
+
+
+@dataclass
+class _RankShare:
+    """What one rank stored for a commit (the description comes from rank 0)."""
+
+    description: dict | None
+    world_size: int
+    all_layers: list[str]
+    saved_layers: list[str]
+    rows: list[TensorRow]
+    blobs: list[BlobRow]
+    created: dict[str, int]
 
 
 @dataclass
@@ -145,49 +158,70 @@ class Store:
         from .deepspeed.extract import extract
 
         step = _check_step(step)
-        if self.catalog.has_step(step):
-            raise ConflictError(f"step {step} is already committed")
-        snapshot = extract(engine, client_state)
-        description = snapshot.description
-        names = [key for key, role in description["module_keys"] if role != "alias"]
-        all_layers = ordered_layers(names)
-        saved = self._select_layers(step, all_layers, layers, description)
-        pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
-        rows, blobs, blobs_added, bytes_added = self._store_pieces(step, pieces)
 
-        previous = self.catalog.latest_step(before=step)
-        inherited = {} if len(saved) == len(all_layers) else self.catalog.sources(previous)
-        layer_sources = {layer: step if layer in saved else inherited[layer] for layer in all_layers}
-        manifest = Manifest(
-            step=step,
-            created_at=_now(),
-            world_size=snapshot.world_size,
-            description=json.dumps(description, sort_keys=True, separators=(",", ":")),
-            layer_sources=layer_sources,
-            tensors=rows,
-            blobs=blobs,
-        )
-        # A manifest left by a commit that died before its catalog row is not a step; replace it.
-        self.objects.delete(manifest_name(step))
-        self.objects.put_if_absent(manifest_name(step), manifest.encode())
-        self.catalog.record_step(
-            step=step,
-            created_at=manifest.created_at,
-            world_size=manifest.world_size,
-            description=manifest.description,
-            layer_sources=layer_sources,
-            tensors=rows,
-            blobs=blobs,
-            blobs_added=blobs_added,
-            bytes_added=bytes_added,
-        )
+        def store_own_share() -> _RankShare:
+            if self.catalog.has_step(step):
+                raise ConflictError(f"step {step} is already committed")
+            snapshot = extract(engine, client_state)
+            description = snapshot.description
+            names = [key for key, role in description["module_keys"] if role != "alias"]
+            all_layers = ordered_layers(names)
+            saved = self._select_layers(step, all_layers, layers, description)
+            pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
+            rows, blobs, created = self._store_pieces(step, pieces)
+            return _RankShare(
+                description if snapshot.rank == 0 else None, snapshot.world_size, all_layers,
+                [layer for layer in all_layers if layer in saved], rows, blobs, created,
+            )  # fmt: skip
+
+        # Every rank's blobs are durable before any rank goes on (the gather is the barrier).
+        shares = collective.on_every_rank(f"commit of step {step}", store_own_share)
+        first = shares[0]
+        rows = [row for share in shares for row in share.rows]
+        blobs = list({blob.key: blob for share in shares for blob in share.blobs}.values())
+        created = {key: size for share in shares for key, size in share.created.items()}
+        saved = first.saved_layers
+        if len(saved) == len(first.all_layers):
+            layer_sources = {layer: step for layer in first.all_layers}
+        else:
+            inherited = self.catalog.sources(self.catalog.latest_step(before=step))
+            layer_sources = {
+                layer: step if layer in saved else inherited[layer] for layer in first.all_layers
+            }
+
+        def record() -> None:
+            manifest = Manifest(
+                step=step,
+                created_at=_now(),
+                world_size=first.world_size,
+                description=json.dumps(first.description, sort_keys=True, separators=(",", ":")),
+                layer_sources=layer_sources,
+                tensors=rows,
+                blobs=blobs,
+            )
+            # A manifest left by a commit that died before its catalog row is not a step; replace it.
+            self.objects.delete(manifest_name(step))
+            self.objects.put_if_absent(manifest_name(step), manifest.encode())
+            self.catalog.record_step(
+                step=step,
+                created_at=manifest.created_at,
+                world_size=manifest.world_size,
+                description=manifest.description,
+                layer_sources=layer_sources,
+                tensors=rows,
+                blobs=blobs,
+                blobs_added=len(created),
+                bytes_added=sum(created.values()),
+            )
+
+        collective.on_rank_zero(f"recording step {step}", record)
         return CommitReport(
             step=step,
-            layers_saved=[layer for layer in all_layers if layer in saved],
+            layers_saved=saved,
             layers_inherited={layer: s for layer, s in layer_sources.items() if s != step},
             tensors=len(rows),
-            blobs_added=blobs_added,
-            bytes_added=bytes_added,
+            blobs_added=len(created),
+            bytes_added=sum(created.values()),
         )
 
     def _select_layers(
@@ -224,7 +258,9 @@ class Store:
                 "inherited from it; commit every layer (layers=None)"
             )
 
-    def _store_pieces(self, step: int, pieces: list) -> tuple[list[TensorRow], list[BlobRow], int, int]:
+    def _store_pieces(self, step: int, pieces: list) -> tuple[list[TensorRow], list[BlobRow], dict[str, int]]:
+        """Hash, encode and store pieces in parallel; returns rows, blob sizes, {created key: size}."""
+
         def store(piece) -> tuple[TensorRow, BlobRow, bool]:
             key = codec.tensor_key(piece.tensor)
             name = blob_name(key)
@@ -245,13 +281,9 @@ class Store:
         with ThreadPoolExecutor(knobs.io_threads()) as pool:
             results = list(pool.map(store, pieces))
         rows = [r for r, _, _ in results]
-        blobs: dict[str, BlobRow] = {}
-        created_keys: dict[str, int] = {}
-        for _, blob, created in results:
-            blobs[blob.key] = blob
-            if created:
-                created_keys[blob.key] = blob.size
-        return rows, list(blobs.values()), len(created_keys), sum(created_keys.values())
+        blobs = {blob.key: blob for _, blob, _ in results}
+        created = {blob.key: blob.size for _, blob, was_created in results if was_created}
+        return rows, list(blobs.values()), created
 
     # -- materialize -----------------------------------------------------------------------
 
@@ -296,7 +328,7 @@ class Store:
         else:
             staging.rename(out)
 
-    def _load_tensors(self, step: int, description: dict) -> Callable[[str, str], torch.Tensor | None]:
+    def _load_tensors(self, step: int, description: dict) -> _StepTensors:
         """Fetch, verify and assemble every tensor ``step`` needs; returns a (name, kind) lookup."""
         sources = self.catalog.sources(step)
         by_source: dict[int, list[str]] = defaultdict(list)
@@ -313,41 +345,7 @@ class Store:
         for row in rows:
             fragments[(row.name, row.kind)].append(row)
 
-        params = description["params"]
-        handed_out: set[str] = set()
-
-        def whole(key: str) -> torch.Tensor:
-            # Identical tensors share one blob; each caller gets its own storage, because the
-            # loader may keep the object (torch's Optimizer.load_state_dict does not copy).
-            tensor = decoded[key]
-            if key in handed_out:
-                return tensor.clone()
-            handed_out.add(key)
-            return tensor
-
-        def tensor(name: str, kind: str) -> torch.Tensor | None:
-            parts = fragments.get((name, kind))
-            if not parts:
-                return None
-            first = decoded[parts[0].blob]
-            shape = params[name]["shape"] if name in params else list(first.shape)
-            numel = math.prod(shape)
-            if len(parts) == 1 and parts[0].start == 0 and parts[0].numel == numel:
-                return whole(parts[0].blob).reshape(shape)
-            full = torch.empty(numel, dtype=first.dtype)
-            covered = 0
-            for part in sorted(parts, key=lambda p: p.start):
-                if part.start != covered:
-                    raise CorruptError(
-                        f"fragments of {name} {kind} do not tile the tensor (gap or overlap at {covered})"
-                    )
-                full[part.start : part.start + part.numel] = decoded[part.blob].reshape(-1)
-                covered += part.numel
-            if covered != numel:
-                raise CorruptError(f"fragments of {name} {kind} cover {covered} of {numel} elements")
-            return full.reshape(shape)
-
-        return tensor
+        return _StepTensors(description["params"], fragments, decoded)
 
     def _fetch(self, rows_by_blob: dict[str, TensorRow], step: int) -> dict[str, torch.Tensor]:
         def fetch(item: tuple[str, TensorRow]) -> tuple[str, torch.Tensor]:
@@ -423,6 +421,59 @@ class Store:
             if info.name.rsplit("/", 1)[-1] not in referenced
         )
         return report
+
+
+class _StepTensors:
+    """The tensors of one step, fetched and verified, assembled on request for the writer."""
+
+    def __init__(
+        self,
+        params: dict,
+        fragments: dict[tuple[str, str], list[TensorRow]],
+        decoded: dict[str, torch.Tensor],
+    ) -> None:
+        self.params = params
+        self.rows = fragments
+        self.decoded = decoded
+        self.handed_out: set[str] = set()
+
+    def _whole(self, key: str) -> torch.Tensor:
+        # Identical tensors share one blob; each caller gets its own storage, because the
+        # loader may keep the object (torch's Optimizer.load_state_dict does not copy).
+        tensor = self.decoded[key]
+        if key in self.handed_out:
+            return tensor.clone()
+        self.handed_out.add(key)
+        return tensor
+
+    def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
+        """Stored pieces of ``kind`` of ``name`` as (start, tensor), in order."""
+        return [
+            (row.start, self.decoded[row.blob])
+            for row in sorted(self.rows.get((name, kind), []), key=lambda r: r.start)
+        ]
+
+    def __call__(self, name: str, kind: str) -> torch.Tensor | None:
+        parts = sorted(self.rows.get((name, kind), []), key=lambda r: r.start)
+        if not parts:
+            return None
+        first = self.decoded[parts[0].blob]
+        shape = self.params[name]["shape"] if name in self.params else list(first.shape)
+        numel = math.prod(shape)
+        if len(parts) == 1 and parts[0].start == 0 and parts[0].numel == numel:
+            return self._whole(parts[0].blob).reshape(shape)
+        full = torch.empty(numel, dtype=first.dtype)
+        covered = 0
+        for part in parts:
+            if part.start != covered:
+                raise CorruptError(
+                    f"fragments of {name} {kind} do not tile the tensor (gap or overlap at {covered})"
+                )
+            full[part.start : part.start + part.numel] = self.decoded[part.blob].reshape(-1)
+            covered += part.numel
+        if covered != numel:
+            raise CorruptError(f"fragments of {name} {kind} cover {covered} of {numel} elements")
+        return full.reshape(shape)
 
 
 def open(uri: str | os.PathLike, *, create: bool = True) -> Store:  # noqa: A001 - the public name

@@ -247,6 +247,8 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         groups = _extract_basic(engine, osd, module, pieces)
     else:
         groups = _extract_fp16_optimizer(engine, osd, pieces)
+    if not zero and rank != 0:
+        pieces = []  # ZeRO 0 replicates everything: rank 0 stores it once
 
     aliases = _aliases(engine)
     trainable = {name for group in groups for name in group["params"]}
@@ -254,7 +256,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     frozen_fragments = model_state.get("frozen_param_fragments") or {}
     params: dict[str, dict] = {}
     module_keys: list[list[str]] = []
-    fp32_by_name = {p.name: p for p in pieces if p.kind == FP32 and p.start == 0}
+    fp32_by_name: dict[str, list[Piece]] = {}
+    for piece in pieces:
+        if piece.kind == FP32:
+            fp32_by_name.setdefault(piece.name, []).append(piece)
     for key, tensor in module.items():
         if key in aliases:
             module_keys.append([key, "alias"])
@@ -272,13 +277,20 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
             if key not in trainable and key in frozen_fragments:
                 _add_zero3_frozen(key, shape, frozen_fragments[key], rank, world_size, pieces)
             continue
-        if rank != 0:
+        if key not in trainable:
+            if rank == 0:
+                pieces.append(Piece(key, WEIGHT, 0, tensor))
             continue
-        master = fp32_by_name.get(key)
         # Module weights at ZeRO 0-2 are the fp32 masters cast down; storing them again would
-        # add 2 bytes per parameter for nothing. Store them only where they differ.
-        if master is None or not torch.equal(master.tensor.to(tensor.dtype), tensor):
-            pieces.append(Piece(key, WEIGHT, 0, tensor))
+        # add 2 bytes per parameter for nothing. Each rank stores the weight only over the
+        # range of its own master fragment, and only where the two differ.
+        flat = tensor.reshape(-1)
+        for master in fp32_by_name.get(key, []):
+            numel = master.tensor.numel()
+            weight = flat[master.start : master.start + numel]
+            if not torch.equal(master.tensor.reshape(-1).to(tensor.dtype), weight):
+                whole = master.start == 0 and numel == flat.numel()
+                pieces.append(Piece(key, WEIGHT, master.start, tensor if whole else weight))
 
     extra_model = {k: v for k, v in model_state.items() if k not in _LAYOUT_MODEL_KEYS}
     extra_optim = {k: v for k, v in osd.items() if k not in _LAYOUT_OPTIM_KEYS} if flavour != BASIC else {}

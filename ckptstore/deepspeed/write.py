@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from .. import plainstate
 from ..codec import DTYPES
-from ..errors import CorruptError, UnsupportedError
+from ..errors import CorruptError
 from .layout import (
     BASIC,
     BF16_OPTIMIZER,
@@ -30,8 +30,15 @@ from .layout import (
     zero3_slice,
 )
 
-# (name, kind) -> the whole tensor in its own shape, or None when the store holds none.
-TensorSource = Callable[[str, str], "torch.Tensor | None"]
+
+class TensorSource(Protocol):
+    """Where the writer gets stored tensors from."""
+
+    def __call__(self, name: str, kind: str) -> torch.Tensor | None:
+        """The whole tensor in its own shape, or None when the store holds none."""
+
+    def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
+        """Stored pieces as ``(start, tensor)`` in the flattened tensor, possibly not covering it."""
 
 
 def _fragment_address(numel: int, start: int):
@@ -59,10 +66,33 @@ class _Writer:
         self.world_size = world_size
         self.params = self.d["params"]
         if self.flavour == ZERO3 and world_size != self.d["world_size"]:
-            raise UnsupportedError(
-                f"materializing a ZeRO-3 step for world size {world_size} (committed with "
-                f"{self.d['world_size']}) is not supported yet"
-            )
+            self._resplit_zero3_subgroups()
+
+    def _resplit_zero3_subgroups(self) -> None:
+        # ZeRO-3 closes a sub-group once its per-rank partition numel reaches sub_group_size
+        # (DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups), so the cut depends on W.
+        config = self.d["model_state"].get("ds_config")
+        zero_config = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
+        sub_group_size = int(zero_config.get("sub_group_size", 1_000_000_000))
+        for group in self.d["groups"]:
+            names = group["params"]
+            sizes = [zero3_slice(self.shape(n).numel(), self.world_size) for n in names]
+            if sub_group_size >= sum(sizes):
+                subgroups = [names] if names else []
+            else:
+                subgroups, current, filled = [], [], 0
+                for name, size in zip(names, sizes, strict=True):
+                    current.append(name)
+                    filled += size
+                    if filled >= sub_group_size or name == names[-1]:
+                        subgroups.append(current)
+                        current, filled = [], 0
+            # All sub-groups of a param group step together; any one's counters stand for all.
+            scalars = group["subgroup_scalars"][0] if group["subgroup_scalars"] else {}
+            kinds = group["subgroup_kinds"][0] if group["subgroup_kinds"] else []
+            group["subgroups"] = subgroups
+            group["subgroup_scalars"] = [scalars] * len(subgroups)
+            group["subgroup_kinds"] = [kinds] * len(subgroups)
 
     def tensor(self, name: str, kind: str) -> torch.Tensor:
         found = self._tensors(name, kind)
@@ -96,10 +126,15 @@ class _Writer:
         return module
 
     def weight(self, name: str) -> torch.Tensor:
-        stored = self.optional(name, WEIGHT)
-        if stored is not None:
-            return stored
-        return self.tensor(name, FP32).to(DTYPES[self.params[name]["dtype"]])
+        """The module weight: the fp32 master cast down, overlaid with any weight stored apart."""
+        if not self.params[name]["trainable"]:
+            return self.tensor(name, WEIGHT)
+        master = self.tensor(name, FP32)
+        weight = master.to(DTYPES[self.params[name]["dtype"]], copy=True)
+        flat = weight.view(-1)
+        for start, fragment in self._tensors.fragments(name, WEIGHT):
+            flat[start : start + fragment.numel()] = fragment.reshape(-1)
+        return weight
 
     def frozen_names(self) -> list[str]:
         return [name for name, info in self.params.items() if not info["trainable"]]

@@ -1,0 +1,170 @@
+"""Multi-rank scenarios, run by tests/test_many_ranks.py under ``torch.distributed.run``.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_worker.py MODE ROOT RESULT
+
+Each rank writes what it observed to ``RESULT.<rank>.json``; the pytest side asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.engines import batches, build_engine, setup_single_process_env, train  # noqa: E402
+
+CONFIGS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+DATA = batches(6)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def matches_store(engine, store, step) -> list[str]:
+    """(name, kind, start) pieces of this rank's engine state that differ from the store's tensors."""
+    import json as _json
+
+    from ckptstore.deepspeed.extract import extract
+
+    tensors = store._load_tensors(step, _json.loads(store.catalog.description(step)))
+    wrong = []
+    for piece in extract(engine).pieces:
+        full = tensors(piece.name, piece.kind)
+        if full is None and piece.kind == "weight":
+            full = tensors(piece.name, "fp32").to(piece.tensor.dtype)  # derived module weight
+        expected = full.reshape(-1)[piece.start : piece.start + piece.tensor.numel()]
+        if not expected.equal(piece.tensor.reshape(-1)):
+            wrong.append(f"{piece.name} {piece.kind} {piece.start}")
+    return wrong
+
+
+def resume(root: Path) -> dict:
+    import ckptstore
+
+    results = {}
+    for stage, dtype in CONFIGS:
+        name = f"zero{stage}-{dtype}"
+        store = ckptstore.open(root / name)
+        engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=3)
+        train(engine, DATA[:3])
+        store.commit(engine, step=3)
+        reference = train(engine, DATA[3:])
+        if rank() == 0:
+            store.materialize(3, root / f"{name}-out")
+        barrier()
+        resumed = build_engine("llama", zero_stage=stage, dtype=dtype, seed=99, num_layers=3)
+        resumed.load_checkpoint(str(root / f"{name}-out"))
+        loaded_step = resumed.global_steps
+        results[name] = {"reference": reference, "resumed": train(resumed, DATA[3:]), "loaded_step": loaded_step}
+    return results
+
+
+def composite(root: Path) -> dict:
+    """Parity-style commits on 2 ranks: each layer of the composite step equals its source step."""
+    import ckptstore
+
+    results = {}
+    for stage in (1, 3):
+        name = f"composite-zero{stage}"
+        store = ckptstore.open(root / name)
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=3)
+        train(engine, DATA[:2])
+        store.commit(engine, step=2)
+        train(engine, DATA[2:3])
+        store.commit(engine, step=3, layers=["model.layers.1"])
+        if rank() == 0:
+            store.materialize(3, root / f"{name}-out")
+        barrier()
+        resumed = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=3)
+        resumed.load_checkpoint(str(root / f"{name}-out"))
+        results[name] = {"wrong": matches_store(resumed, store, 3), "sources": store.sources(3),
+                         "losses": train(resumed, DATA[3:5])}  # fmt: skip
+    return results
+
+
+def commit_only(root: Path) -> dict:
+    """Commit step 3 of each config on this job's ranks (materialized elsewhere for another size)."""
+    import ckptstore
+
+    for stage in (1, 2, 3):
+        store = ckptstore.open(root / f"zero{stage}")
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=3)
+        train(engine, DATA[:3])
+        store.commit(engine, step=3)
+    return {}
+
+
+def load_other_size(root: Path) -> dict:
+    """Load steps committed by a job of another size, materialized for this job's size."""
+    import torch.distributed as dist
+
+    import ckptstore
+
+    results = {}
+    for stage in (1, 2, 3):
+        store = ckptstore.open(root / f"zero{stage}")
+        if rank() == 0:
+            store.materialize(3, root / f"zero{stage}-w{dist.get_world_size()}", world_size=dist.get_world_size())
+        barrier()
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=3)
+        engine.load_checkpoint(str(root / f"zero{stage}-w{dist.get_world_size()}"))
+        results[f"zero{stage}"] = {"wrong": matches_store(engine, store, 3), "loaded_step": engine.global_steps,
+                                   "losses": train(engine, DATA[3:5])}  # fmt: skip
+    return results
+
+
+def failing_rank(root: Path) -> dict:
+    """Rank 1's uploads fail: every rank must raise, and no step may be recorded."""
+    import ckptstore
+    from ckptstore.errors import StorageError
+
+    store = ckptstore.open(root / "failing")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    if rank() == 1:
+
+        def broken_put(name, data):
+            raise StorageError("injected: disk on fire")
+
+        store.objects.put_if_absent = broken_put
+    try:
+        store.commit(engine, step=1)
+        outcome = "committed"
+    except ckptstore.CkptStoreError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    barrier()
+    return {"outcome": outcome, "steps": ckptstore.open(root / "failing").steps()}
+
+
+def main() -> None:
+    setup_single_process_env()
+    import logging
+
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
+             "fail": failing_rank}  # fmt: skip
+    out = modes[mode](root)
+    Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
+    barrier()
+    # Single-host CPU runs can abort in atexit handlers after all work is done (DEEPSPEED_FORMAT.md §6).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
