@@ -67,7 +67,11 @@ def resume(root: Path) -> dict:
         resumed = build_engine("llama", zero_stage=stage, dtype=dtype, seed=99, num_layers=3)
         resumed.load_checkpoint(str(root / f"{name}-out"))
         loaded_step = resumed.global_steps
-        results[name] = {"reference": reference, "resumed": train(resumed, DATA[3:]), "loaded_step": loaded_step}
+        results[name] = {
+            "reference": reference,
+            "resumed": train(resumed, DATA[3:]),
+            "loaded_step": loaded_step,
+        }
     return results
 
 
@@ -94,13 +98,22 @@ def composite(root: Path) -> dict:
     return results
 
 
+# Configs committed by a job of one size and loaded by a job of another.
+RESHARD = {
+    "zero1": (1, {}),
+    "zero2": (2, {}),
+    "zero3": (3, {}),
+    "zero3-subgroups": (3, {"zero_optimization": {"sub_group_size": 1500}}),
+}
+
+
 def commit_only(root: Path) -> dict:
     """Commit step 3 of each config on this job's ranks (materialized elsewhere for another size)."""
     import ckptstore
 
-    for stage in (1, 2, 3):
-        store = ckptstore.open(root / f"zero{stage}")
-        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=3)
+    for name, (stage, overrides) in RESHARD.items():
+        store = ckptstore.open(root / name)
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=3, **overrides)
         train(engine, DATA[:3])
         store.commit(engine, step=3)
     return {}
@@ -113,14 +126,15 @@ def load_other_size(root: Path) -> dict:
     import ckptstore
 
     results = {}
-    for stage in (1, 2, 3):
-        store = ckptstore.open(root / f"zero{stage}")
+    size = dist.get_world_size()
+    for name, (stage, overrides) in RESHARD.items():
+        store = ckptstore.open(root / name)
         if rank() == 0:
-            store.materialize(3, root / f"zero{stage}-w{dist.get_world_size()}", world_size=dist.get_world_size())
+            store.materialize(3, root / f"{name}-w{size}", world_size=size)
         barrier()
-        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=3)
-        engine.load_checkpoint(str(root / f"zero{stage}-w{dist.get_world_size()}"))
-        results[f"zero{stage}"] = {"wrong": matches_store(engine, store, 3), "loaded_step": engine.global_steps,
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=3, **overrides)
+        engine.load_checkpoint(str(root / f"{name}-w{size}"))
+        results[name] = {"wrong": matches_store(engine, store, 3), "loaded_step": engine.global_steps,
                                    "losses": train(engine, DATA[3:5])}  # fmt: skip
     return results
 
@@ -152,9 +166,11 @@ def main() -> None:
     setup_single_process_env()
     import logging
 
+    import deepspeed
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
              "fail": failing_rank}  # fmt: skip

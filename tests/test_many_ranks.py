@@ -1,0 +1,88 @@
+"""Data-parallel jobs: collective commits, and materializing for a different world size.
+
+The two-rank halves run under ``torch.distributed.run`` (gloo on CPU) in tests/dist_worker.py;
+one-rank halves run in this process.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore.errors import UnsupportedError
+from tests.dist_worker import RESHARD, commit_only, matches_store
+from tools.engines import batches, build_engine, train
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def torchrun(mode: str, root: Path, nproc: int = 2) -> list[dict]:
+    """Run one worker mode on ``nproc`` ranks; returns each rank's observations."""
+    result = root / "result"
+    with socket.socket() as probe:  # a free port, so parallel runs never meet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+         str(WORKER), mode, str(root), str(result)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(Path(f"{result}.{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def test_two_rank_commits_resume_bit_exactly_on_two_ranks(tmp_path):
+    for rank, observed in enumerate(torchrun("resume", tmp_path)):
+        assert set(observed) == {f"zero{s}-{d}" for s in (1, 2, 3) for d in ("fp32", "bf16")}
+        for config, run in observed.items():
+            assert run["loaded_step"] == 3, (rank, config)
+            assert run["resumed"] == run["reference"], (rank, config)
+
+
+def test_two_rank_composite_steps_take_each_layer_from_its_source(tmp_path):
+    for observed in torchrun("composite", tmp_path):
+        for config, run in observed.items():
+            assert run["wrong"] == [], config
+            assert run["sources"]["model.layers.1"] == 3 and run["sources"]["model.layers.0"] == 2
+            assert all(loss == loss and loss < 10 for loss in run["losses"])
+
+
+def test_a_failing_rank_fails_the_commit_everywhere_and_records_nothing(tmp_path):
+    rank0, rank1 = torchrun("fail", tmp_path)
+    assert rank0["outcome"] == "StorageError: commit of step 1 failed on rank 1: injected: disk on fire"
+    assert rank1["outcome"] == "StorageError: injected: disk on fire"
+    assert rank0["steps"] == rank1["steps"] == []
+
+
+def test_committed_on_two_ranks_loads_on_one(tmp_path):
+    torchrun("commit", tmp_path)
+    for name, (stage, overrides) in RESHARD.items():
+        store = ckptstore.open(tmp_path / name)
+        assert json.loads(store.catalog.description(3))["world_size"] == 2
+        store.materialize(3, tmp_path / f"{name}-w1", world_size=1)
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=3, **overrides)
+        engine.load_checkpoint(str(tmp_path / f"{name}-w1"))
+        assert engine.global_steps == 3
+        assert matches_store(engine, store, 3) == [], name
+        losses = train(engine, batches(6)[3:5])
+        assert all(loss == loss and loss < 10 for loss in losses)
+
+
+def test_committed_on_one_rank_loads_on_two(tmp_path):
+    commit_only(tmp_path)
+    for rank, observed in enumerate(torchrun("load", tmp_path)):
+        assert set(observed) == set(RESHARD)
+        for name, run in observed.items():
+            assert run["loaded_step"] == 3 and run["wrong"] == [], (rank, name)
+            assert all(loss == loss and loss < 10 for loss in run["losses"])
+
+
+def test_model_parallel_engines_are_refused(tmp_path):
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    engine.mp_world_size = 2  # what a tensor-parallel job reports
+    with pytest.raises(UnsupportedError, match="model parallelism"):
+        ckptstore.open(tmp_path / "store").commit(engine, step=1)
