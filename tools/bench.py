@@ -1,17 +1,21 @@
 """Benchmark ckptstore against DeepSpeed's own save_checkpoint, in the same process.
 
-    python tools/bench.py [--hidden 768 --layers 8 --vocab 16000 --reps 3]
+    python tools/bench.py [--ranks 2] [--hidden 768 --layers 8 --vocab 16000 --reps 3]
 
 Builds a Llama of about 80M parameters (bf16, ZeRO-2, one rank, CPU), then reports medians
 of several repetitions as ratios against ``engine.save_checkpoint`` (absolute times on a
 shared machine are noise; ratios measured side by side are not):
 commit time and bytes added for a full commit, a re-commit of unchanged state and a commit
 of 2 of 8 layers; materialize time against ``cp -r`` of the DeepSpeed directory.
+``--ranks 2`` relaunches itself under ``torch.distributed.run`` (gloo on CPU); it also times
+the all-gather a whole-tensor design would need before hashing (ckptstore stores each rank's
+own fragments instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -46,23 +50,74 @@ def median_time(fn, reps: int) -> float:
     return statistics.median(timed(fn)[0] for _ in range(reps))
 
 
+def barrier_timed(fn, *args, **kwargs) -> tuple[float, object]:
+    """Wall time of a collective operation: from every rank ready to every rank done."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    dist.barrier()
+    return time.perf_counter() - start, result
+
+
+def gather_cost(engine) -> float:
+    """Time to all-gather every rank's fp32 and Adam partitions (what whole tensors would need)."""
+    import torch
+    import torch.distributed as dist
+
+    osd = engine.optimizer.state_dict()
+    parts = list(osd["single_partition_of_fp32_groups"])
+    for state in osd["base_optimizer_state"]["state"].values():
+        parts += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+
+    def gather() -> None:
+        for part in parts:
+            out = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+            dist.all_gather(out, part.contiguous())
+
+    return barrier_timed(gather)[0]
+
+
+def relaunch(ranks: int) -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(port), __file__, *sys.argv[1:]]  # fmt: skip
+    return subprocess.run(command).returncode
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--ranks", type=int, default=1, help="data-parallel ranks (relaunches under torchrun)"
+    )
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=16000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workdir", help="scratch directory (default: a temp dir)")
     args = parser.parse_args()
+    if args.ranks > 1 and "LOCAL_RANK" not in os.environ:
+        return relaunch(args.ranks)
     setup_single_process_env()
     import logging
 
+    import deepspeed
+    import torch.distributed as dist
     from deepspeed.utils import logger as ds_logger
 
     import ckptstore
 
     ds_logger.setLevel(logging.WARNING)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptstore-bench-"))
+    deepspeed.init_distributed(verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shared = [args.workdir or tempfile.mkdtemp(prefix="ckptstore-bench-")]
+    dist.broadcast_object_list(shared, src=0)  # every rank writes into one place
+    work = Path(shared[0])
     engine = build_engine(
         "llama",
         zero_stage=2,
@@ -74,18 +129,19 @@ def main() -> int:
     )
     data = batches(2 + 2 * args.reps, vocab=args.vocab)
     train(engine, data[:1])
-    print(f"model: llama, {param_count(engine.module) / 1e6:.1f}M parameters, bf16, ZeRO-2, 1 rank, CPU")
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(
+        f"model: llama, {param_count(engine.module) / 1e6:.1f}M parameters, bf16, ZeRO-2, {world} rank(s), CPU"
+    )
 
     # DeepSpeed's own checkpoint, the yardstick.
-    ds_times = []
-    for rep in range(args.reps):
-        target = work / f"ds{rep}"
-        ds_times.append(timed(lambda t=target: engine.save_checkpoint(str(t)))[0])
-    ds_time = statistics.median(ds_times)
+    ds_time = statistics.median(
+        barrier_timed(engine.save_checkpoint, str(work / f"ds{rep}"))[0] for rep in range(args.reps)
+    )
     ds_dir = work / "ds0"
     ds_bytes = dir_bytes(ds_dir)
-    cp_time = median_time(lambda: subprocess.run(["cp", "-r", str(ds_dir), str(work / "cp")], check=True)
-                          or shutil.rmtree(work / "cp"), args.reps)  # fmt: skip
+    cp_time = median_time(lambda: subprocess.run(["cp", "-r", str(ds_dir), str(work / f"cp{rank}")], check=True)
+                          or shutil.rmtree(work / f"cp{rank}"), args.reps)  # fmt: skip
 
     full_times, full_bytes, re_times, re_bytes, part_times, part_bytes, half_times, mat_times = (
         [] for _ in range(8)
@@ -96,41 +152,53 @@ def main() -> int:
     for rep in range(args.reps):
         store = ckptstore.open(work / f"store{rep}")
         step += 1
-        t, report = timed(store.commit, engine, step)
+        t, report = barrier_timed(store.commit, engine, step)
         full_times.append(t), full_bytes.append(report.bytes_added)
         step += 1
-        t, report = timed(store.commit, engine, step)
+        t, report = barrier_timed(store.commit, engine, step)
         re_times.append(t), re_bytes.append(report.bytes_added)
         train(engine, data[1 + rep : 2 + rep])
         step += 1
-        t, report = timed(store.commit, engine, step, layers=two_of_n)
+        t, report = barrier_timed(store.commit, engine, step, layers=two_of_n)
         part_times.append(t), part_bytes.append(report.bytes_added)
         train(engine, data[1 + rep : 2 + rep])
         step += 1
-        t, _ = timed(store.commit, engine, step, layers=blocks[rep % 2 :: 2])
+        t, _ = barrier_timed(store.commit, engine, step, layers=blocks[rep % 2 :: 2])
         half_times.append(t)
-        mat_times.append(timed(store.materialize, step, work / "mat", force=True)[0])
+        if rank == 0:
+            mat_times.append(timed(store.materialize, step, work / "mat", force=True, world_size=world)[0])
         store.close()
+    gather_time = statistics.median(gather_cost(engine) for _ in range(args.reps)) if world > 1 else None
 
-    med = statistics.median
-    rows = [
-        ("DeepSpeed save_checkpoint", ds_time, 1.0, ds_bytes, 1.0),
-        ("full commit", med(full_times), med(full_times) / ds_time, med(full_bytes), med(full_bytes) / ds_bytes),
-        ("re-commit, unchanged", med(re_times), med(re_times) / ds_time, med(re_bytes), med(re_bytes) / ds_bytes),
-        (f"commit 2 of {args.layers} layers", med(part_times), med(part_times) / ds_time, med(part_bytes),
-         med(part_bytes) / ds_bytes),
-        (f"commit {args.layers // 2} of {args.layers} layers", med(half_times), med(half_times) / ds_time, None, None),
-        ("cp -r of the DeepSpeed dir", cp_time, cp_time / ds_time, None, None),
-        ("materialize (vs cp -r)", med(mat_times), med(mat_times) / cp_time, None, None),
-    ]  # fmt: skip
-    print(f"\n| operation | seconds (median of {args.reps}) | time ratio | bytes | bytes ratio |")
-    print("|---|---:|---:|---:|---:|")
-    for name, seconds, ratio, nbytes, bratio in rows:
-        nb = "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
-        br = "" if bratio is None else f"{bratio:.3f}x"
-        print(f"| {name} | {seconds:.2f} | {ratio:.2f}x | {nb} | {br} |")
-    print("\ntime ratios are against save_checkpoint, except materialize (against cp -r)")
-    shutil.rmtree(work, ignore_errors=True)
+    if rank == 0:
+        med = statistics.median
+        rows = [
+            ("DeepSpeed save_checkpoint", ds_time, 1.0, ds_bytes, 1.0),
+            ("full commit", med(full_times), med(full_times) / ds_time, med(full_bytes), med(full_bytes) / ds_bytes),
+            ("re-commit, unchanged", med(re_times), med(re_times) / ds_time, med(re_bytes), med(re_bytes) / ds_bytes),
+            (f"commit 2 of {args.layers} layers", med(part_times), med(part_times) / ds_time, med(part_bytes),
+             med(part_bytes) / ds_bytes),
+            (f"commit {args.layers // 2} of {args.layers} layers", med(half_times), med(half_times) / ds_time, None,
+             None),
+            ("cp -r of the DeepSpeed dir", cp_time, cp_time / ds_time, None, None),
+            ("materialize (vs cp -r)", med(mat_times), med(mat_times) / cp_time, None, None),
+        ]  # fmt: skip
+        if gather_time is not None:
+            rows.append(
+                ("all-gather of fp32+Adam partitions", gather_time, gather_time / ds_time, None, None)
+            )
+        print(
+            f"\n| operation ({world} rank(s)) | seconds (median of {args.reps}) | time ratio | bytes | bytes ratio |"
+        )
+        print("|---|---:|---:|---:|---:|")
+        for name, seconds, ratio, nbytes, bratio in rows:
+            nb = "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
+            br = "" if bratio is None else f"{bratio:.3f}x"
+            print(f"| {name} | {seconds:.2f} | {ratio:.2f}x | {nb} | {br} |")
+        print("\ntime ratios are against save_checkpoint, except materialize (against cp -r)")
+    dist.barrier()
+    if rank == 0 and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
     finalize_distributed()
     return 0
 
