@@ -7,6 +7,7 @@ A step becomes visible by ``record_step``, one transaction that writes every row
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -156,6 +157,27 @@ class Catalog:
             users.setdefault(blob, []).append((step, layer, name, kind))
         return users
 
+    def blobs_of_steps(self, steps: Iterable[int]) -> set[str]:
+        """Every blob the given steps need, inherited layers included."""
+        sql = """
+            SELECT DISTINCT t.blob
+            FROM layers l JOIN tensors t ON t.step = l.source_step AND t.layer = l.layer
+            WHERE l.step IN (SELECT value FROM json_each(?))
+        """
+        return {row[0] for row in self.db.execute(sql, [json.dumps(list(steps))])}
+
+    def consistency_problems(self) -> list[str]:
+        """Layers of committed steps whose source step has no tensor rows for them."""
+        sql = """
+            SELECT l.step, l.layer, l.source_step FROM layers l
+            WHERE NOT EXISTS (SELECT 1 FROM tensors t WHERE t.step = l.source_step AND t.layer = l.layer)
+            ORDER BY l.step, l.position
+        """
+        return [
+            f"step {step} layer {layer} points at step {source}, which holds no tensors for it"
+            for step, layer, source in self.db.execute(sql)
+        ]
+
     def log(self) -> list[StepRow]:
         """One summary row per committed step, oldest first."""
         sql = """
@@ -207,6 +229,30 @@ class Catalog:
             self.db["blobs"].insert_all(
                 ({"key": b.key, "size": b.size, "raw_size": b.raw_size, "first_step": step} for b in blobs),
                 ignore=True,
+            )
+
+    def drop_steps(self, steps: Iterable[int]) -> None:
+        """Remove step records in one transaction, keeping tensor rows that kept steps inherit."""
+        steps_json = json.dumps(list(steps))
+        with self.db.atomic():
+            self.db.execute("DELETE FROM steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
+            self.db.execute("DELETE FROM layers WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
+            self.db.execute(
+                """
+                DELETE FROM tensors
+                WHERE step IN (SELECT value FROM json_each(?))
+                  AND NOT EXISTS (
+                      SELECT 1 FROM layers l WHERE l.source_step = tensors.step AND l.layer = tensors.layer
+                  )
+                """,
+                [steps_json],
+            )
+
+    def forget_blobs(self, keys: Iterable[str]) -> None:
+        """Drop the size records of blobs that were deleted from the store."""
+        with self.db.atomic():
+            self.db.execute(
+                "DELETE FROM blobs WHERE key IN (SELECT value FROM json_each(?))", [json.dumps(list(keys))]
             )
 
 

@@ -36,3 +36,8 @@ def io_threads() -> int:
 def tmp_suffix() -> str:
     """Suffix of in-flight local writes; listings never show these names."""
     return ".tmp"
+
+
+def gc_grace_seconds() -> float:
+    """Unreferenced blobs younger than this are never swept (a commit may be writing them)."""
+    return _float("GC_GRACE", 3600.0)

@@ -1,7 +1,9 @@
 """Per-step manifests: the catalog rows of one step as a canonical JSON object in the store.
 
-A manifest is written after the step's blobs and before its catalog row. It is enough to
-rebuild the step's catalog rows on another machine. The same step always encodes to the same
+A manifest is written after the step's blobs and before its catalog row. It is
+self-contained: besides the tensors the step saved it lists those its layers inherit (each
+row belongs to its layer's source step), so it alone rebuilds the step's catalog rows on
+another machine, and dropping an older step's manifest never strands a composite step. The same step always encodes to the same
 bytes (sorted keys, no whitespace), which the golden tests pin.
 """
 
@@ -55,12 +57,13 @@ class Manifest:
             if body["version"] != MANIFEST_VERSION:
                 raise CorruptError(f"manifest version {body['version']} is not supported")
             step = int(body["step"])
+            sources = {str(layer): int(source) for layer, source in body["layers"]}
             return cls(
                 step=step,
                 created_at=str(body["created_at"]),
                 world_size=int(body["world_size"]),
                 description=json.dumps(body["description"], sort_keys=True, separators=(",", ":")),
-                layer_sources={str(layer): int(source) for layer, source in body["layers"]},
+                layer_sources=sources,
                 tensors=[
                     TensorRow(step, str(a), str(b), str(c), int(d), int(e), str(f))
                     for a, b, c, d, e, f in body["tensors"]

@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from . import codec, collective, knobs
 from .catalog import BlobRow, Catalog, StepRow, TensorRow
 from .errors import BadInputError, ConflictError, CorruptError, NotFoundError, UnsupportedError
+from .gc import GcReport, collect
 from .layers import layer_of, ordered_layers
 from .manifest import Manifest, manifest_name
 from .objects import ObjectStore, open_objects
@@ -91,10 +92,20 @@ class VerifyReport:
     problems: list[BlobProblem] = field(default_factory=list)
     catalog_problems: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
+    stray_manifests: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems and not self.catalog_problems
+
+
+def _seconds(grace: timedelta | float | None) -> float:
+    if grace is None:
+        return knobs.gc_grace_seconds()
+    seconds = grace.total_seconds() if isinstance(grace, timedelta) else float(grace)
+    if seconds < 0:
+        raise BadInputError(f"the grace period cannot be negative ({seconds} s)")
+    return seconds
 
 
 def _now() -> str:
@@ -174,52 +185,78 @@ class Store:
                 [layer for layer in all_layers if layer in saved], rows, blobs, created,
             )  # fmt: skip
 
-        # Every rank's blobs are durable before any rank goes on (the gather is the barrier).
-        shares = collective.on_every_rank(f"commit of step {step}", store_own_share)
-        first = shares[0]
-        rows = [row for share in shares for row in share.rows]
-        blobs = list({blob.key: blob for share in shares for blob in share.blobs}.values())
-        created = {key: size for share in shares for key, size in share.created.items()}
-        saved = first.saved_layers
-        if len(saved) == len(first.all_layers):
-            layer_sources = {layer: step for layer in first.all_layers}
-        else:
-            inherited = self.catalog.sources(self.catalog.latest_step(before=step))
-            layer_sources = {
-                layer: step if layer in saved else inherited[layer] for layer in first.all_layers
-            }
+        # The shared gc lock spans reading the previous step, reusing blobs and recording: a
+        # concurrent gc (exclusive) runs wholly before or wholly after this commit.
+        with self.objects.lock(exclusive=False):
+            # Every rank's blobs are durable before any rank goes on (the gather is the barrier).
+            shares = collective.on_every_rank(f"commit of step {step}", store_own_share)
+            first = shares[0]
+            rows = [row for share in shares for row in share.rows]
+            blobs = list({blob.key: blob for share in shares for blob in share.blobs}.values())
+            created = {key: size for share in shares for key, size in share.created.items()}
+            saved = first.saved_layers
+            if len(saved) == len(first.all_layers):
+                layer_sources = {layer: step for layer in first.all_layers}
+            else:
+                inherited = self.catalog.sources(self.catalog.latest_step(before=step))
+                layer_sources = {
+                    layer: step if layer in saved else inherited[layer] for layer in first.all_layers
+                }
 
-        def record() -> None:
-            manifest = Manifest(
-                step=step,
-                created_at=_now(),
-                world_size=first.world_size,
-                description=json.dumps(first.description, sort_keys=True, separators=(",", ":")),
-                layer_sources=layer_sources,
-                tensors=rows,
-                blobs=blobs,
+            collective.on_rank_zero(
+                f"recording step {step}",
+                lambda: self._record(
+                    step, first.world_size, first.description, layer_sources, rows, blobs, created
+                ),
             )
-            # A manifest left by a commit that died before its catalog row is not a step; replace it.
-            self.objects.delete(manifest_name(step))
-            self.objects.put_if_absent(manifest_name(step), manifest.encode())
-            self.catalog.record_step(
-                step=step,
-                created_at=manifest.created_at,
-                world_size=manifest.world_size,
-                description=manifest.description,
-                layer_sources=layer_sources,
-                tensors=rows,
-                blobs=blobs,
-                blobs_added=len(created),
-                bytes_added=sum(created.values()),
-            )
-
-        collective.on_rank_zero(f"recording step {step}", record)
         return CommitReport(
             step=step,
             layers_saved=saved,
             layers_inherited={layer: s for layer, s in layer_sources.items() if s != step},
             tensors=len(rows),
+            blobs_added=len(created),
+            bytes_added=sum(created.values()),
+        )
+
+    def _record(
+        self,
+        step: int,
+        world_size: int,
+        description: dict,
+        layer_sources: dict[str, int],
+        rows: list[TensorRow],
+        blobs: list[BlobRow],
+        created: dict[str, int],
+    ) -> None:
+        """Write the step's manifest, then its catalog rows (the commit point)."""
+        inherited_rows = [
+            row
+            for source in sorted(set(layer_sources.values()) - {step})
+            for row in self.catalog.tensors(
+                source, [layer for layer, s in layer_sources.items() if s == source]
+            )
+        ]
+        all_blobs = {**self.catalog.blob_sizes(r.blob for r in inherited_rows), **{b.key: b for b in blobs}}
+        manifest = Manifest(
+            step=step,
+            created_at=_now(),
+            world_size=world_size,
+            description=json.dumps(description, sort_keys=True, separators=(",", ":")),
+            layer_sources=layer_sources,
+            tensors=rows + inherited_rows,
+            blobs=list(all_blobs.values()),
+        )
+        # A manifest left by a commit that died before its catalog row is not a step; replace it.
+        self.objects.delete(manifest_name(step))
+        self.objects.put_if_absent(manifest_name(step), manifest.encode())
+        self.catalog.record_step(
+            step=step,
+            created_at=manifest.created_at,
+            world_size=world_size,
+            description=manifest.description,
+            layer_sources=layer_sources,
+            tensors=rows,
+            blobs=blobs,
             blobs_added=len(created),
             bytes_added=sum(created.values()),
         )
@@ -373,53 +410,89 @@ class Store:
             )
             return dict(items)
 
+    # -- retention -------------------------------------------------------------------------
+
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_steps: Iterable[int] = (),
+        grace: timedelta | float | None = None,
+        dry_run: bool = False,
+        allow_empty: bool = False,
+        now: float | None = None,
+    ) -> GcReport:
+        """Drop the steps the retention rules do not keep, then delete blobs no kept step needs.
+
+        Blobs younger than ``grace`` (default ``CKPTSTORE_GC_GRACE`` seconds, 1 hour) are never
+        deleted. With no rule, no step is dropped and only unreferenced blobs go. ``dry_run``
+        changes nothing and reports what a real run would free. Safe to run while commits run.
+        """
+        return collect(
+            self, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps, grace=_seconds(grace),
+            dry_run=dry_run, allow_empty=allow_empty, now=now,
+        )  # fmt: skip
+
+    def delete(self, step: int, *, dry_run: bool = False) -> GcReport:
+        """Drop one step's record; its blobs go at the next gc unless other steps need them.
+
+        Raises NotFoundError for an unknown step.
+        """
+        step = _check_step(step)
+        self.catalog.description(step)  # NotFoundError names the known steps
+        return collect(self, drop_steps=[step], grace=float("inf"), dry_run=dry_run, allow_empty=True)
+
     # -- verify ----------------------------------------------------------------------------
 
     def verify(self, *, deep: bool = True) -> VerifyReport:
-        """Check every blob the committed steps reference.
+        """Check every blob the committed steps reference, and the catalog's own consistency.
 
-        Fast mode checks presence, size and header; ``deep`` also decodes and re-hashes every
-        blob. Read-only: problems are reported, never repaired. Unreferenced blobs are listed
-        as orphans (information, not a problem).
+        Fast mode (``deep=False``) checks that every blob exists with the size the catalog
+        recorded, from one listing; ``deep`` also reads, decodes and re-hashes every blob.
+        Read-only: problems are reported, never repaired. Unreferenced blobs (orphans) and
+        manifests of steps that never committed are information, not problems.
         """
         users = self.catalog.referenced_blobs()
         sizes = self.catalog.blob_sizes(users)
         report = VerifyReport(deep=deep)
+        report.catalog_problems.extend(self.catalog.consistency_problems())
         for blob in users:
             if blob not in sizes:
                 report.catalog_problems.append(f"blob {blob} is referenced but has no size record")
+        steps = set(self.catalog.steps())
+        manifests = {
+            int(info.name.rsplit("/", 1)[-1].split(".")[0]) for info in self.objects.list("manifests/")
+        }
+        report.catalog_problems.extend(
+            f"step {step} has no manifest in the store (a catalog rebuild would lose it)"
+            for step in sorted(steps - manifests)
+        )
+        report.stray_manifests = sorted(manifests - steps)
+        stored = {info.name.rsplit("/", 1)[-1]: info.size for info in self.objects.list("blobs/")}
 
         def check(key: str) -> tuple[str, str | None, int]:
-            name = blob_name(key)
-            try:
-                if deep:
-                    data = self.objects.get(name)
-                    codec.decode(data, key)
-                    return key, None, len(data)
-                info = self.objects.info(name)
-                if key in sizes and info.size != sizes[key].size:
-                    return key, f"has {info.size} bytes, the catalog recorded {sizes[key].size}", info.size
-                codec.parse_header(self.objects.get(name)[:512]) if info.size else None
-                return key, None, info.size
-            except NotFoundError:
+            if key not in stored:
                 return key, "is missing", 0
-            except CorruptError as exc:
-                return key, f"is corrupt ({exc})", 0
+            if key in sizes and stored[key] != sizes[key].size:
+                return key, f"has {stored[key]} bytes, the catalog recorded {sizes[key].size}", stored[key]
+            if deep:
+                try:
+                    codec.decode(self.objects.get(blob_name(key)), key)
+                except NotFoundError:
+                    return key, "is missing", 0
+                except CorruptError as exc:
+                    return key, f"is corrupt ({exc})", stored[key]
+            return key, None, stored[key]
 
         with ThreadPoolExecutor(knobs.io_threads()) as pool:
-            for key, problem, size in progress_bar(
-                pool.map(check, users), total=len(users), desc="verify", unit="blob"
-            ):
+            checks = pool.map(check, users) if deep else map(check, users)
+            for key, problem, size in progress_bar(checks, total=len(users), desc="verify", unit="blob"):
                 report.blobs_checked += 1
                 report.bytes_checked += size
                 if problem:
                     report.problems.append(BlobProblem(key, problem, users[key]))
-        referenced = set(users)
-        report.orphans = sorted(
-            info.name.rsplit("/", 1)[-1]
-            for info in self.objects.list("blobs/")
-            if info.name.rsplit("/", 1)[-1] not in referenced
-        )
+        report.orphans = sorted(set(stored) - set(users))
         return report
 
 

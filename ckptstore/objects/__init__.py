@@ -8,6 +8,7 @@ of the same key is told the object is already there.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -63,6 +64,14 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def delete(self, name: str) -> None:
         """Remove the object; deleting a missing object is not an error."""
+
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager:
+        """Hold the store's gc lock: shared while committing, exclusive while collecting garbage.
+
+        Backends without a lock primitive return a no-op; there gc relies on the grace period
+        and on writers freshening the objects they reuse.
+        """
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:

@@ -7,7 +7,9 @@ directory itself is fsynced, so a crash leaves either the whole object or none o
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import uuid
 from collections.abc import Iterator
@@ -97,6 +99,17 @@ class LocalObjectStore(ObjectStore):
 
     def touch(self, name: str) -> bool:
         return self._freshen(self._path(name))
+
+    @contextlib.contextmanager
+    def lock(self, *, exclusive: bool) -> Iterator[None]:
+        # flock is released by the kernel when the process dies, so a killed commit or gc
+        # never leaves the store locked.
+        with open(self.root / "lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def get(self, name: str) -> bytes:
         path = self._path(name)

@@ -1,0 +1,147 @@
+"""Retention rules and mark-and-sweep garbage collection of blobs.
+
+Order of a collection, each phase safe to interrupt:
+1. Decide which steps to keep (keep-last, keep-every, explicit keeps); refuse to drop every
+   step unless asked, and refuse to run at all if a kept step already misses a blob.
+2. Drop the other steps: their manifests first, then their catalog rows in one transaction.
+   Tensor rows that a kept composite step still inherits stay.
+3. Sweep: delete every blob no kept step references and older than the grace period.
+
+Concurrency. A commit holds the store's gc lock shared from choosing its layers to recording
+its step; gc holds it exclusive from step 2 to the end. So a gc runs wholly before a commit
+(the commit then finds deleted blobs missing and writes them again) or wholly after it (the
+new step's blobs are referenced). That fences the one dangerous case: a commit that dedups
+against an old orphan blob which the gc has already marked. The grace period is the second
+line of defence, for writers that cannot take the lock (other machines, object stores
+without one): blobs younger than it are never swept, and writers freshen the time of the
+blobs they reuse. Two gc runs at once simply take turns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import BadInputError, CorruptError
+from .manifest import manifest_name
+from .progress import progress_bar
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+@dataclass
+class GcReport:
+    """What a gc run dropped and freed (or, with ``dry_run``, would drop and free)."""
+
+    dry_run: bool
+    steps_kept: list[int] = field(default_factory=list)
+    steps_dropped: list[int] = field(default_factory=list)
+    blobs_freed: int = 0
+    bytes_freed: int = 0
+    blobs_spared: int = 0  # unreferenced, but younger than the grace period
+    bytes_spared: int = 0
+
+    def as_dict(self) -> dict:
+        """Plain dict for ``--json``."""
+        return {
+            "dry_run": self.dry_run,
+            "steps_kept": self.steps_kept,
+            "steps_dropped": self.steps_dropped,
+            "blobs_freed": self.blobs_freed,
+            "bytes_freed": self.bytes_freed,
+            "blobs_spared": self.blobs_spared,
+            "bytes_spared": self.bytes_spared,
+        }
+
+
+def steps_to_keep(
+    steps: list[int],
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    keep_steps: Iterable[int] = (),
+) -> list[int]:
+    """The steps the retention rules keep; with no rule at all, every step is kept."""
+    keep_steps = set(keep_steps)
+    if keep_last is not None and keep_last < 0:
+        raise BadInputError(f"--keep-last must be >= 0, not {keep_last}")
+    if keep_every is not None and keep_every <= 0:
+        raise BadInputError(f"--keep-every must be > 0, not {keep_every}")
+    unknown = sorted(keep_steps - set(steps))
+    if unknown:
+        raise BadInputError(f"--keep-step names steps that do not exist: {', '.join(map(str, unknown))}")
+    if keep_last is None and keep_every is None and not keep_steps:
+        return list(steps)
+    kept = set(keep_steps)
+    if keep_last:
+        kept.update(steps[-keep_last:])
+    if keep_every:
+        kept.update(s for s in steps if s % keep_every == 0)
+    return sorted(kept)
+
+
+def collect(
+    store: Store,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    keep_steps: Iterable[int] = (),
+    drop_steps: Iterable[int] = (),
+    grace: float = 3600.0,
+    dry_run: bool = False,
+    allow_empty: bool = False,
+    now: float | None = None,
+) -> GcReport:
+    """Apply retention, then sweep unreferenced blobs older than ``grace`` seconds.
+
+    ``drop_steps`` drops those steps in addition to what retention drops. ``now`` replaces
+    the clock (tests). Raises BadInputError if every step would go without ``allow_empty``,
+    CorruptError if a kept step already misses a blob (nothing is changed then).
+    """
+    with store.objects.lock(exclusive=True):
+        steps = store.catalog.steps()
+        kept = steps_to_keep(steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps)
+        missing = sorted(set(drop_steps) - set(steps))
+        if missing:
+            raise BadInputError(f"cannot drop steps that do not exist: {', '.join(map(str, missing))}")
+        kept = [s for s in kept if s not in set(drop_steps)]
+        dropped = [s for s in steps if s not in set(kept)]
+        if steps and not kept and not allow_empty:
+            raise BadInputError(
+                f"these rules would drop every step ({len(steps)}); pass --allow-empty (allow_empty=True) to mean it"
+            )
+        report = GcReport(dry_run=dry_run, steps_kept=kept, steps_dropped=dropped)
+
+        referenced = store.catalog.blobs_of_steps(kept)
+        stored = {info.name.rsplit("/", 1)[-1]: info for info in store.objects.list("blobs/")}
+        absent = sorted(set(referenced) - set(stored))
+        if absent:
+            raise CorruptError(
+                f"{len(absent)} blob(s) that kept steps need are missing (e.g. {absent[0]}); gc will not run "
+                "on a damaged store: run `ckptstore verify` to see which steps are affected"
+            )
+        cutoff = (time.time() if now is None else now) - grace
+        doomed = []
+        for key, info in stored.items():
+            if key in referenced:
+                continue
+            if info.mtime > cutoff:
+                report.blobs_spared += 1
+                report.bytes_spared += info.size
+            else:
+                doomed.append(info)
+        report.blobs_freed = len(doomed)
+        report.bytes_freed = sum(info.size for info in doomed)
+        if dry_run:
+            return report
+
+        for step in dropped:
+            store.objects.delete(manifest_name(step))
+        store.catalog.drop_steps(dropped)
+        for info in progress_bar(doomed, total=len(doomed), desc="gc", unit="blob"):
+            store.objects.delete(info.name)
+        store.catalog.forget_blobs(info.name.rsplit("/", 1)[-1] for info in doomed)
+        return report
