@@ -3,13 +3,19 @@
 * Puts the repository root on sys.path so tests can ``from tools.engines import ...``.
 * Sets the single-process CPU DeepSpeed environment (DS_ACCELERATOR=cpu, MASTER_ADDR/PORT, RANK,
   WORLD_SIZE, LOCAL_RANK) at import time, i.e. before collection imports deepspeed anywhere: the
-  accelerator is chosen once, at deepspeed's first use, so a session fixture would run too late.
+  accelerator is chosen once, at deepspeed's first use, so a fixture would run too late.
 * At session end destroys the torch.distributed process group that the first DeepSpeed engine
-  created (it lives for the whole process; engines share it).
+  created (engines share it for the whole process). A clean exit did not need this in any case
+  tried (see tools/engines.py), it is insurance.
+* Opt-in escape hatch: with ``CKPTSTORE_TEST_HARD_EXIT=1`` the process leaves through
+  ``os._exit(<pytest's exit status>)`` after everything is reported, skipping interpreter
+  teardown (use only if a native "terminate called without an active exception" abort at exit
+  ever turns a green run red; it also skips atexit handlers such as coverage's).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +27,22 @@ if str(_ROOT) not in sys.path:
 
 from tools.engines import finalize_distributed, setup_single_process_env  # noqa: E402
 
+# The loopback S3 server (session) and a bucket per test: see tests/moto_s3.py.
+from tests.moto_s3 import s3, s3_server  # noqa: E402, F401
+
 setup_single_process_env()
+
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_configure(config):
+    # Noise from DeepSpeed's ZeRO-3 / JIT code paths, not from ckptstore.
+    for line in (
+        "ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning",
+        "ignore:`torch.distributed.reduce_scatter_tensor` is deprecated:FutureWarning",
+        "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+    ):
+        config.addinivalue_line("filterwarnings", line)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,4 +53,13 @@ def _single_process_deepspeed_env():
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
     finalize_distributed()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if os.environ.get("CKPTSTORE_TEST_HARD_EXIT") == "1" and _EXIT_STATUS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])

@@ -19,11 +19,22 @@ torch 2.13 CPU:
   destroy it between engines; ``build_engine`` calls ``init_distributed`` itself, which is a no-op
   once initialized. The first build also JIT-compiles DeepSpeed's shm comm op (gcc, a few seconds,
   cached afterwards under ~/.cache/torch_extensions).
+* The first engine in a process takes ~6 s (loading the JIT-built ops); later ones ~0.03 s
+  (ZeRO 3: ~0.45 s). On a machine with an empty ~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR)
+  the first build JIT-compiles deepspeed_shm_comm (~45 s) and fused_adam (~85 s): cache that
+  directory in CI. ``optimizer={"params": {"torch_adam": True}}`` skips the fused_adam build.
 * Old engines need not be destroyed for correctness: engines built one after another are fully
-  independent (same seed -> bit-identical losses, whatever was built before). Dropping the last
-  reference frees most memory; ``destroy_engine`` additionally runs ``engine.destroy()`` (removes
-  ZeRO-3 hooks, releases optimizer buffers) and ``gc.collect()`` -- use it in loops over big models.
-* Exit: see ``finalize_distributed`` (tests/conftest.py calls it at session end).
+  independent (same seed -> bit-identical losses, whatever was built before). But ``del engine``
+  frees NOTHING (reference cycles plus two DeepSpeed globals, see ``destroy_engine``): memory grows
+  by the whole engine each time. Call ``destroy_engine`` when done with an engine (checkpoint files
+  already written stay valid; the engine is unusable afterwards).
+* Exit: no abort at interpreter exit was reproduced (rc 0 / the right status) with live ZeRO 0-3
+  engines, with or without destroying the process group, after save_checkpoint, after exceptions,
+  under pytest, torch.distributed.run (1 and 2 ranks), mp.spawn, fork/spawn pools.
+  ``finalize_distributed`` (called by tests/conftest.py at session end) is insurance only.
+* fp16: DeepSpeed's CPU accelerator allows fp16 iff ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``
+  (AVX512-FP16 CPUs, as on the dev box): there it trains and resumes bit-exactly too; elsewhere
+  deepspeed.initialize raises ``ValueError: Type fp16 is not supported on your device.``
 * Determinism: dropout is disabled in both models (RNG state is not part of a DeepSpeed checkpoint,
   so dropout would break bit-exact resume comparisons), attention is "eager", and the model is built
   under ``torch.manual_seed(seed)`` with the global RNG state restored afterwards.
@@ -262,12 +273,50 @@ def train(engine, batch_list) -> list[float]:
     return losses
 
 
-def destroy_engine(engine) -> None:
-    """Release an engine's resources (hooks, optimizer buffers). The process group is kept."""
+def destroy_engine(engine, collect: bool = True) -> None:
+    """Release an engine's resources so that its memory is really freed. The process group is kept.
+
+    Without this, ``del engine`` frees nothing: DeepSpeed's hooks form reference cycles that keep
+    every engine alive (measured: +0.65 GB RSS per 20M-param bf16 ZeRO-2 engine, kept forever).
+    ``engine.destroy()`` breaks them for ZeRO 0-2; ZeRO 3 additionally leaves the root module in the
+    global ``deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK`` (appended in
+    DeepSpeedZeRoOffload.__init__, never popped), and once its parameter trace is complete (a few
+    steps) a class-level ``functools.lru_cache`` on
+    ``PartitionedParameterCoordinator.__params_to_release`` keys on the coordinator and submodules;
+    both pin the whole engine, so both are cleared here (clearing the cache is harmless for other
+    live engines: it is only recomputed).
+    """
+    module = getattr(engine, "module", None)
     try:
         engine.destroy()
     finally:
-        gc.collect()
+        if module is not None:
+            try:
+                from deepspeed.runtime.zero import parameter_offload as _po
+
+                _po.FWD_MODULE_STACK[:] = [m for m in _po.FWD_MODULE_STACK if m is not module]
+            except Exception:  # pragma: no cover - other deepspeed versions
+                pass
+        _clear_zero3_release_cache()
+        if collect:  # the engine is a web of cycles: only a full collection frees it (~0.3 s)
+            gc.collect()
+
+
+def _clear_zero3_release_cache() -> None:
+    try:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    except Exception:  # pragma: no cover
+        return
+    fn = PartitionedParameterCoordinator.__dict__.get("_PartitionedParameterCoordinator__params_to_release")
+    # It is wrapped by instrument_w_nvtx (no functools.wraps): find the lru_cache wrapper inside.
+    for _ in range(3):
+        if fn is None:
+            return
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+            return
+        cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+        fn = next((c for c in cells if callable(c)), None)
 
 
 def finalize_distributed() -> None:
