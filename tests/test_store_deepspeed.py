@@ -235,3 +235,32 @@ def test_engine_variants_resume_bit_exactly(tmp_path, stage, dtype, freeze, over
     resumed.load_checkpoint(str(tmp_path / "out"))
     assert resumed.global_steps == 3
     assert train(resumed, DATA[3:]) == uninterrupted
+
+
+def _cpu_has_fp16() -> bool:
+    return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)())
+
+
+def _loss_scale(engine) -> float:
+    scaler = getattr(engine.optimizer, "loss_scaler", None) or engine.optimizer.loss_scale_config
+    return scaler.cur_scale
+
+
+@pytest.mark.skipif(not _cpu_has_fp16(), reason="DeepSpeed refuses fp16 on CPUs without AVX512-FP16")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp16_with_a_moving_loss_scale_resumes_bit_exactly(tmp_path, stage):
+    # A huge initial scale overflows at once and a window of 2 raises it again, so the
+    # dynamic loss scaler's state differs from a fresh one's when the step is committed.
+    fp16 = {"initial_scale_power": 20, "loss_scale_window": 2}
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=stage, dtype="fp16", seed=0, num_layers=2, fp16=fp16)
+    train(engine, DATA[:3])
+    scale = _loss_scale(engine)
+    assert scale != 2.0**20
+    store.commit(engine, step=3)
+    uninterrupted = train(engine, DATA[3:])
+    store.materialize(3, tmp_path / "out")
+    resumed = build_engine("llama", zero_stage=stage, dtype="fp16", seed=9, num_layers=2, fp16=fp16)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    assert resumed.global_steps == 3 and _loss_scale(resumed) == scale
+    assert train(resumed, DATA[3:]) == uninterrupted
