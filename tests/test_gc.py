@@ -288,3 +288,60 @@ def test_gc_over_ten_thousand_steps_keeps_exactly_what_the_kept_steps_need(tmp_p
     assert store.verify(deep=False).ok
     remaining = {info.name.rsplit("/", 1)[-1] for info in store.objects.list("blobs/")}
     assert remaining == store.catalog.blobs_of_steps(store.steps())
+
+
+def test_a_commit_that_raises_at_recording_leaves_the_store_as_it_was(composite_store, tmp_path, monkeypatch):
+    before = materialized(composite_store, 6, tmp_path / "before")
+
+    def failing_record(**rows):
+        raise OSError("disk full while recording")
+
+    monkeypatch.setattr(composite_store.catalog, "record_step", failing_record)
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=3, num_layers=3)
+    with pytest.raises(OSError):
+        composite_store.commit(engine, step=8)
+    monkeypatch.undo()
+    assert composite_store.steps() == [2, 4, 6]
+    report = composite_store.verify()
+    assert report.ok and report.stray_manifests == [8]
+    assert same(materialized(composite_store, 6, tmp_path / "after"), before)
+
+
+def test_a_commit_reusing_orphans_that_a_running_gc_is_sweeping_keeps_them(tmp_path):
+    import threading
+
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(1))
+    store.commit(engine, step=1)
+    store.delete(1)  # every blob of step 1 is now an orphan ...
+    for info in store.objects.list("blobs/"):
+        os.utime(Path(store.objects.root) / info.name, (1, 1))  # ... and an old one
+
+    sweeping, release = threading.Event(), threading.Event()
+
+    def collect_slowly():
+        collector_store = ckptstore.open(tmp_path / "store")  # each thread its own connection
+        delete = collector_store.objects.delete
+
+        def slow_delete(name):
+            if name.startswith("blobs/"):
+                sweeping.set()
+                release.wait(timeout=60)
+            delete(name)
+
+        collector_store.objects.delete = slow_delete
+        collector_store.gc(grace=3600)
+
+    collector = threading.Thread(target=collect_slowly)
+    collector.start()
+    assert sweeping.wait(timeout=60)  # gc has marked the orphans and started deleting them
+    committed = threading.Thread(target=lambda: ckptstore.open(tmp_path / "store").commit(engine, step=2))
+    committed.start()
+    time.sleep(0.5)
+    release.set()
+    collector.join(timeout=60)
+    committed.join(timeout=60)
+    assert store.steps() == [2]
+    report = store.verify()  # the commit wrote back what the gc had swept
+    assert report.ok and report.orphans == []
