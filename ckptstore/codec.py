@@ -5,9 +5,11 @@ Blob layout (format version 1, all integers little-endian)::
     b"CKPB"  u8 version  u8 codec  u8 len(dtype)  dtype (ascii)
     u8 ndim  ndim x u64 shape  u64 raw_size  payload
 
-``codec`` is RAW (payload = the tensor bytes), ZSTD, or ZSTD_GROUPED (the bytes of every
-element are regrouped by significance before zstd: the exponent bytes of neighbouring floats
-are alike and compress well, the mantissa bytes are noise and are kept apart from them).
+``codec`` is RAW (payload = the tensor bytes), ZSTD, ZSTD_GROUPED (the bytes of every
+element regrouped by significance, then one zstd frame), or ZSTD_PLANES: the same regrouping,
+one *plane* per byte position, each stored as ``u8 compressed? u64 length data``. Exponent
+planes of floats are alike and compress well; low mantissa planes are noise, and a sample
+tells which is which, so noise is stored raw without spending time compressing it.
 The key is the xxh3-128 of the dtype, the shape and the *uncompressed* bytes, so it does not
 depend on the codec, and every decode re-hashes and compares.
 """
@@ -28,8 +30,10 @@ from .errors import CorruptError, UnsupportedError
 
 MAGIC = b"CKPB"
 FORMAT_VERSION = 1
-RAW, ZSTD, ZSTD_GROUPED = 0, 1, 2
-CODECS = (RAW, ZSTD, ZSTD_GROUPED)
+RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES = 0, 1, 2, 3
+CODECS = (RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES)
+# A plane is compressed only if zstd shrinks a sample of it below this fraction.
+_PLANE_SAMPLE = 1 << 16
 
 # Only plain numeric dtypes ever become blobs; anything else is refused rather than guessed.
 DTYPES: dict[str, torch.dtype] = {
@@ -120,15 +124,56 @@ def encode(tensor: torch.Tensor) -> tuple[str, bytes]:
     shape = tuple(tensor.shape)
     itemsize = tensor.element_size()
     payload, codec = raw, RAW
-    if raw.size:
-        if itemsize > 1:
-            grouped = raw.reshape(-1, itemsize).T.copy()
-            packed, packed_codec = _compressor().compress(grouped), ZSTD_GROUPED
-        else:
-            packed, packed_codec = _compressor().compress(raw), ZSTD
+    if raw.size and itemsize > 1:
+        packed = _encode_planes(raw.reshape(-1, itemsize).T.copy())  # one pass: rows are planes
         if len(packed) < raw.size * knobs.min_compress_ratio():
-            payload, codec = packed, packed_codec
+            payload, codec = packed, ZSTD_PLANES
+    elif raw.size:
+        packed = _compressor().compress(raw)
+        if len(packed) < raw.size * knobs.min_compress_ratio():
+            payload, codec = packed, ZSTD
     return key, _header(codec, dtype, shape, raw.size) + memoryview(payload).cast("B")
+
+
+def _encode_planes(planes: np.ndarray) -> bytes:
+    parts = []
+    ratio = knobs.min_compress_ratio()
+    compressor = _compressor()
+    for plane in planes:
+        sample = plane[:_PLANE_SAMPLE]
+        packed = None
+        if len(compressor.compress(sample)) < sample.size * ratio:
+            packed = compressor.compress(plane)
+            if len(packed) >= plane.size * ratio:
+                packed = None
+        data = plane if packed is None else packed
+        parts += [struct.pack("<BQ", packed is not None, len(data)), memoryview(data).cast("B")]
+    return b"".join(parts)
+
+
+def _decode_planes(payload: memoryview, itemsize: int, raw_size: int) -> np.ndarray:
+    count = raw_size // itemsize
+    out = np.empty((count, itemsize), dtype=np.uint8)
+    offset = 0
+    for i in range(itemsize):
+        compressed, length = struct.unpack_from("<BQ", payload, offset)
+        offset += 9
+        data = payload[offset : offset + length]
+        if len(data) != length:
+            raise CorruptError("blob payload is truncated inside a byte plane")
+        offset += length
+        if compressed:
+            stream = _decompressor().decompressobj()
+            data = stream.decompress(data)
+            if not stream.eof or stream.unused_data:
+                raise CorruptError("a byte plane's zstd frame is truncated or has trailing bytes")
+        plane = np.frombuffer(data, dtype=np.uint8)
+        if plane.size != count:
+            raise CorruptError(f"a byte plane holds {plane.size} bytes, expected {count}")
+        out[:, i] = plane
+    if offset != len(payload):
+        raise CorruptError("blob payload has trailing bytes after its last byte plane")
+    return out.reshape(-1)
 
 
 def parse_header(blob: bytes | memoryview) -> BlobInfo:
@@ -177,13 +222,15 @@ def decode(blob: bytes | memoryview, key: str | None = None) -> torch.Tensor:
     try:
         if info.codec == RAW:
             raw = np.frombuffer(payload, dtype=np.uint8)
+        elif info.codec == ZSTD_PLANES:
+            raw = _decode_planes(payload, itemsize, info.raw_size)
         else:
             stream = _decompressor().decompressobj()
             raw = np.frombuffer(stream.decompress(payload), dtype=np.uint8)
             if not stream.eof or stream.unused_data:
                 raise CorruptError("blob payload is truncated or has trailing bytes after its zstd frame")
-    except zstandard.ZstdError as exc:
-        raise CorruptError(f"blob payload does not decompress: {exc}") from None
+    except (zstandard.ZstdError, struct.error) as exc:
+        raise CorruptError(f"blob payload does not decode: {exc}") from None
     if raw.size != info.raw_size:
         raise CorruptError(f"blob payload holds {raw.size} bytes, header says {info.raw_size}")
     if info.codec == ZSTD_GROUPED and raw.size:

@@ -45,7 +45,7 @@ def test_key_depends_on_content_dtype_and_shape_but_not_on_codec(monkeypatch):
 def test_floats_are_byte_grouped_and_compressed():
     tensor = torch.randn(256, 256).bfloat16()
     _, blob = codec.encode(tensor)
-    assert codec.parse_header(blob).codec == codec.ZSTD_GROUPED
+    assert codec.parse_header(blob).codec == codec.ZSTD_PLANES
     assert len(blob) < 0.8 * tensor.numel() * 2
 
 
