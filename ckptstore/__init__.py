@@ -14,10 +14,11 @@ from .errors import (
     StorageError,
     UnsupportedError,
 )
-from .store import CommitReport, Store, VerifyReport, open
+from .store import CommitReport, Store, VerifyReport, open, rebuild_catalog
 
 __all__ = [
     "open",
+    "rebuild_catalog",
     "Store",
     "CommitReport",
     "VerifyReport",

@@ -7,15 +7,17 @@ A step becomes visible by ``record_step``, one transaction that writes every row
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlite_utils import Database
 
 from .errors import ConflictError, CorruptError, NotFoundError, UnsupportedError
+from .layers import layer_of
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,31 @@ class BlobRow:
 
 
 @dataclass(frozen=True)
+class FileRow:
+    """An auxiliary file of a step: its path in the checkpoint directory, content key and size."""
+
+    path: str
+    key: str
+    size: int
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One layer of a step, as ``ckptstore show`` shows it.
+
+    ``bytes``/``raw_bytes``: stored and uncompressed size of the layer's distinct blobs at
+    ``source``; ``update``: its relative change since ``update_since`` measured at this step.
+    """
+
+    layer: str
+    source: int
+    bytes: int
+    raw_bytes: int
+    update: float | None
+    update_since: int | None
+
+
+@dataclass(frozen=True)
 class StepRow:
     """Summary of a committed step, as ``ckptstore log`` shows it."""
 
@@ -62,7 +89,10 @@ class Catalog:
         self.path = Path(path)
         try:
             # Ranks of one job open the same catalog at once: wait for locks instead of failing.
-            self.db = Database(sqlite3.connect(self.path, timeout=60, isolation_level=None))
+            # check_same_thread=False: a non-blocking commit records its step from its
+            # background thread; the store never runs two commits at once.
+            connection = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+            self.db = Database(connection)
             self.db.execute("PRAGMA busy_timeout=60000")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
@@ -76,15 +106,30 @@ class Catalog:
                 )
             if schema.pending(self.db):
                 # One writer at a time: the others wait here and then find nothing pending.
-                self.db.execute("BEGIN IMMEDIATE")
-                try:
+                with self.write_transaction():
                     schema.apply(self.db)
-                    self.db.execute("COMMIT")
-                except BaseException:
-                    self.db.execute("ROLLBACK")
-                    raise
         except sqlite3.DatabaseError as exc:
             raise CorruptError(f"catalog {self.path} cannot be opened: {exc}") from None
+
+    @contextlib.contextmanager
+    def write_transaction(self) -> Iterator[None]:
+        """One transaction that holds the write lock from its first statement.
+
+        Several processes write one catalog (ranks sharing a cache, gc next to commits). In a
+        deferred transaction (sqlite-utils' ``atomic``) a reader that then writes fails at
+        once with "database is locked" when another process wrote meanwhile, whatever the
+        busy timeout; BEGIN IMMEDIATE waits for the lock instead, then reads the other's rows.
+        """
+        if self.db.conn.in_transaction:  # nested: the outer transaction holds the lock
+            yield
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     def close(self) -> None:
         """Close the database connection."""
@@ -187,6 +232,40 @@ class Catalog:
         """
         return [StepRow(*row) for row in self.db.execute(sql)]
 
+    def layer_rows(self, step: int) -> list[LayerRow]:
+        """Every layer of ``step`` in model order: source step, stored bytes, update statistics."""
+        self._require(step)
+        layers = self.db.execute(
+            "SELECT layer, source_step, update_size, update_since FROM layers WHERE step = ? ORDER BY position",
+            [step],
+        ).fetchall()
+        sizes_sql = """
+            SELECT d.step, d.layer, coalesce(sum(b.size), 0), coalesce(sum(b.raw_size), 0)
+            FROM (SELECT DISTINCT step, layer, blob FROM tensors
+                  WHERE step IN (SELECT value FROM json_each(?))) d
+            LEFT JOIN blobs b ON b.key = d.blob
+            GROUP BY d.step, d.layer
+        """
+        sources = sorted({source for _, source, _, _ in layers})
+        found = self.db.execute(sizes_sql, [json.dumps(sources)])
+        sizes = {(s, layer): (size, raw) for s, layer, size, raw in found}
+        return [
+            LayerRow(layer, source, *sizes.get((source, layer), (0, 0)), update, since)
+            for layer, source, update, since in layers
+        ]
+
+    def samples(self, step: int, names: Iterable[str]) -> dict[str, bytes]:
+        """The update-statistics samples recorded at ``step`` for ``names`` (missing ones left out)."""
+        names = list(names)
+        sql = "SELECT name, sample FROM samples WHERE step = ? AND name IN (SELECT value FROM json_each(?))"
+        return dict(self.db.execute(sql, [step, json.dumps(names)]).fetchall())
+
+    def files(self, step: int) -> list[FileRow]:
+        """The auxiliary files recorded with ``step``, by path."""
+        self._require(step)
+        sql = "SELECT path, key, size FROM files WHERE step = ? ORDER BY path"
+        return [FileRow(*row) for row in self.db.execute(sql, [step])]
+
     # -- writing ---------------------------------------------------------------------------
 
     def record_step(
@@ -201,9 +280,17 @@ class Catalog:
         blobs: list[BlobRow],
         blobs_added: int,
         bytes_added: int,
+        updates: dict[str, tuple[int | None, float | None]] | None = None,
+        samples: dict[str, bytes] | None = None,
+        files: list[FileRow] | None = None,
     ) -> None:
-        """Write every row of a step in one transaction: all of it becomes visible, or none."""
-        with self.db.atomic():
+        """Write every row of a step in one transaction: all of it becomes visible, or none.
+
+        ``updates``: layer -> (step compared with, relative update); ``samples``: parameter
+        name -> update-statistics sample (ckptstore.stats); ``files``: auxiliary files.
+        """
+        updates = updates or {}
+        with self.write_transaction():
             if self.has_step(step):
                 raise ConflictError(f"step {step} is already committed")
             self.db["steps"].insert(
@@ -218,9 +305,11 @@ class Catalog:
                 }
             )
             self.db["layers"].insert_all(
-                {"step": step, "layer": layer, "position": i, "source_step": source}
+                {"step": step, "layer": layer, "position": i, "source_step": source,
+                 "update_since": updates.get(layer, (None, None))[0],
+                 "update_size": updates.get(layer, (None, None))[1]}
                 for i, (layer, source) in enumerate(layer_sources.items())
-            )
+            )  # fmt: skip
             self.db["tensors"].insert_all(
                 {"step": t.step, "layer": t.layer, "name": t.name, "kind": t.kind,
                  "start": t.start, "numel": t.numel, "blob": t.blob}
@@ -230,11 +319,18 @@ class Catalog:
                 ({"key": b.key, "size": b.size, "raw_size": b.raw_size, "first_step": step} for b in blobs),
                 ignore=True,
             )
+            self.db["samples"].insert_all(
+                {"step": step, "layer": layer_of(name), "name": name, "sample": sample}
+                for name, sample in (samples or {}).items()
+            )
+            self.db["files"].insert_all(
+                {"step": step, "path": f.path, "key": f.key, "size": f.size} for f in files or []
+            )
 
     def drop_steps(self, steps: Iterable[int]) -> None:
         """Remove step records in one transaction, keeping tensor rows that kept steps inherit."""
         steps_json = json.dumps(list(steps))
-        with self.db.atomic():
+        with self.write_transaction():
             self.db.execute("DELETE FROM steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
             self.db.execute("DELETE FROM layers WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
             self.db.execute(
@@ -247,10 +343,22 @@ class Catalog:
                 """,
                 [steps_json],
             )
+            # Samples go with the tensors they describe: kept while a kept step inherits the layer.
+            self.db.execute(
+                """
+                DELETE FROM samples
+                WHERE step IN (SELECT value FROM json_each(?))
+                  AND NOT EXISTS (
+                      SELECT 1 FROM layers l WHERE l.source_step = samples.step AND l.layer = samples.layer
+                  )
+                """,
+                [steps_json],
+            )
+            self.db.execute("DELETE FROM files WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
 
     def forget_blobs(self, keys: Iterable[str]) -> None:
         """Drop the size records of blobs that were deleted from the store."""
-        with self.db.atomic():
+        with self.write_transaction():
             self.db.execute(
                 "DELETE FROM blobs WHERE key IN (SELECT value FROM json_each(?))", [json.dumps(list(keys))]
             )

@@ -48,7 +48,7 @@ def _human(n: float) -> str:
     "--store",
     envvar="CKPTSTORE_STORE",
     metavar="URI",
-    help="The store: a directory path or file:// URI. Defaults to $CKPTSTORE_STORE.",
+    help="The store: a directory path, file:// or s3://bucket/prefix URI. Defaults to $CKPTSTORE_STORE.",
 )
 @click.version_option(package_name="ckptstore")
 @click.pass_context
@@ -63,7 +63,11 @@ def cli(ctx: click.Context, store: str | None) -> None:
 
 
 @cli.command()
-@click.option("--step", type=int, required=True, help="The committed step to rebuild.")
+@click.option("--step", type=int, default=None, help="The committed step to rebuild.")
+@click.option(
+    "--spec", type=click.Path(dir_okay=False), default=None,
+    help="Instead of --step: a compose spec (YAML) naming the step of each layer range.",
+)  # fmt: skip
 @click.option(
     "--world-size", type=click.IntRange(min=1), default=None,
     help="Data-parallel size of the job that will load it (default: the committing job's).",
@@ -73,18 +77,74 @@ def cli(ctx: click.Context, store: str | None) -> None:
 @_store_option
 @click.pass_context
 def materialize(
-    ctx: click.Context, store_uri: str | None, step: int, world_size: int | None, force: bool, out: str
+    ctx: click.Context,
+    store_uri: str | None,
+    step: int | None,
+    spec: str | None,
+    world_size: int | None,
+    force: bool,
+    out: str,
 ) -> None:
-    """Write step STEP as a DeepSpeed checkpoint directory OUT.
+    """Write step STEP (or the checkpoint a compose spec describes) as a DeepSpeed directory OUT.
 
-    OUT gets ``latest`` and ``global_step<STEP>/``; resume with
+    OUT gets ``latest``, ``global_step<STEP>/`` and the step's auxiliary files; resume with
     ``engine.load_checkpoint(OUT)``. OUT appears only once complete.
+
+    A spec (YAML) says which step each block range and auxiliary layer comes from, and
+    which step gives the non-tensor state and files:
+
+    \b
+        state: 400
+        slices:
+          - {layer_range: [0, 16], step: 300}
+          - {layer_range: [16, 32], step: 400}
+        aux: {model.embed_tokens: 300}
 
     Example: ckptstore --store runs/store materialize --step 300 out/
     """
+    if step is None and spec is None:
+        raise click.UsageError("Missing option '--step' (or --spec)")
+    if step is not None and spec is not None:
+        raise click.UsageError("--step and --spec exclude each other")
     with _open(ctx) as store:
-        path = store.materialize(step, out, world_size=world_size, force=force)
-    click.echo(f"materialized step {step} at {path}")
+        path = store.materialize(step, out, spec=spec, world_size=world_size, force=force)
+    click.echo(f"materialized {f'step {step}' if spec is None else spec} at {path}")
+
+
+def _update(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+@cli.command()
+@click.option("--step", type=int, required=True, help="The committed step to describe.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per layer.")
+@_store_option
+@click.pass_context
+def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) -> None:
+    """List the layers of step STEP: the step each comes from, its bytes, its update.
+
+    The update is the relative change of the layer's fp32 master weights since the step
+    that last saved it (||w - w_prev|| / ||w_prev||, estimated from a fixed sample of each
+    parameter), measured when STEP was committed; "-" where nothing could be compared.
+
+    Example: ckptstore --store runs/store show --step 400
+    """
+    with _open(ctx) as store:
+        rows = store.show(step)
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(asdict(row)))
+        return
+    width = max(len("layer"), *(len(row.layer) for row in rows))
+    click.echo(f"{'layer':<{width}}  {'from step':>10}  {'bytes':>10}  {'update':>9}  {'since':>6}")
+    for row in rows:
+        since = "-" if row.update_since is None else str(row.update_since)
+        click.echo(
+            f"{row.layer:<{width}}  {row.source:>10}  {_human(row.bytes):>10}  {_update(row.update):>9}  {since:>6}"
+        )
+    saved = sum(1 for row in rows if row.source == step)
+    total = _human(sum(row.bytes for row in rows))
+    click.echo(f"{saved} of {len(rows)} layers saved at step {step}; {total} in all")
 
 
 @cli.command()
@@ -262,6 +322,43 @@ def delete(ctx, store_uri, step, dry_run, as_json) -> None:
         click.echo(json.dumps(report.as_dict()))
     else:
         click.echo(f"{'would drop' if dry_run else 'dropped'} step {step}; its blobs go at the next gc")
+
+
+@cli.group()
+def catalog() -> None:
+    """The catalog: the SQLite index of the steps in the store."""
+
+
+@catalog.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_store_option
+@click.pass_context
+def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
+    """Rebuild the catalog from the step manifests in the store.
+
+    For an S3 store that is the local index under $CKPTSTORE_CACHE: any machine rebuilds it
+    from the bucket alone. For a local store it is catalog.db, e.g. after it was lost or
+    corrupted. Steps whose manifest is unreadable or whose blobs are missing are left out
+    and reported (exit code 1). Run it while no other process uses the catalog.
+
+    Example: ckptstore --store s3://ckpts/llama-8b/run7 catalog rebuild
+    """
+    uri = store_uri or ctx.obj["store"]
+    if not uri:
+        raise click.UsageError("no store given: pass --store URI or set CKPTSTORE_STORE")
+    report = store_module.rebuild_catalog(uri)
+    if as_json:
+        click.echo(json.dumps(asdict(report)))
+    else:
+        for problem in report.corrupt:
+            click.echo(f"problem: unreadable manifest {problem}")
+        for step in report.incomplete:
+            click.echo(f"problem: step {step} left out: blobs it needs are missing")
+        steps = report.steps
+        listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]}, ... {steps[-1]}"
+        click.echo(f"rebuilt the catalog of {uri}: {len(steps)} step(s){': ' + listed if steps else ''}")
+    if report.corrupt or report.incomplete:
+        sys.exit(EXIT_PROBLEMS)
 
 
 def main(argv: list[str] | None = None) -> None:

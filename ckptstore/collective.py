@@ -17,6 +17,20 @@ from .errors import CkptStoreError
 
 T = TypeVar("T")
 
+# The process group commits talk over. Non-blocking commits run their collectives on a
+# background thread while training runs its own on the default group; collectives of two
+# threads on one group may interleave differently on each rank, so commits get their own.
+_group = None
+
+
+def use_commit_group() -> None:
+    """Give commits a process group of their own (collective: every rank must call it)."""
+    global _group
+    import torch.distributed as dist
+
+    if _group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        _group = dist.new_group(backend="gloo")
+
 
 def world() -> tuple[int, int]:
     """``(rank, world size)`` of the default process group; ``(0, 1)`` without torch.distributed."""
@@ -56,7 +70,7 @@ def on_every_rank(what: str, fn: Callable[[], T]) -> list[T]:
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, outcome)
+    dist.all_gather_object(gathered, outcome, group=_group)
     if local_error is not None:
         raise local_error
     for other, result in enumerate(gathered):
@@ -74,7 +88,7 @@ def on_rank_zero(what: str, fn: Callable[[], T]) -> T | None:
 
     outcome, local_error = _outcome(fn) if rank == 0 else (("ok", None), None)
     shared = [outcome if rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
+    dist.broadcast_object_list(shared, src=0, group=_group)
     if local_error is not None:
         raise local_error
     if shared[0][0] == "error":

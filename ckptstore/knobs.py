@@ -41,3 +41,47 @@ def tmp_suffix() -> str:
 def gc_grace_seconds() -> float:
     """Unreferenced blobs younger than this are never swept (a commit may be writing them)."""
     return _float("GC_GRACE", 3600.0)
+
+
+def cache_dir() -> str:
+    """Where stores without a local directory (S3) keep their catalog index, one folder per store."""
+    return os.environ.get("CKPTSTORE_CACHE") or os.path.join("~", ".cache", "ckptstore")
+
+
+def s3_multipart_threshold() -> int:
+    """S3 objects of at least this many bytes are uploaded in parts (and downloaded by ranges)."""
+    return _int("S3_MULTIPART_THRESHOLD", 64 * 1024 * 1024)
+
+
+def s3_part_size() -> int:
+    """Size of one multipart part or download range (boto3 raises it to S3's 5 MiB minimum)."""
+    return _int("S3_PART_SIZE", 16 * 1024 * 1024)
+
+
+def s3_part_threads() -> int:
+    """Parts of one large S3 object transferred at once (on top of the io_threads objects)."""
+    return _int("S3_PART_THREADS", 4)
+
+
+def s3_max_attempts() -> int:
+    """Attempts per S3 request in botocore's standard retry mode (first try included)."""
+    return _int("S3_MAX_ATTEMPTS", 5)
+
+
+def s3_freshen_after() -> float:
+    """An S3 object reused by a commit is re-timed only when older than this (seconds).
+
+    Freshening an S3 object copies it onto itself; skipping young ones keeps re-commits cheap.
+    gc's grace period must be longer than this plus the longest commit.
+    """
+    return _float("S3_FRESHEN_AFTER", 300.0)
+
+
+def sample_size() -> int:
+    """Elements of each parameter sampled per commit for update statistics (ckptstore.stats)."""
+    return _int("SAMPLE_SIZE", 256)
+
+
+def max_file_bytes() -> int:
+    """Largest auxiliary file a commit stores with a step (``commit(files=...)``)."""
+    return _int("MAX_FILE_BYTES", 256 * 1024 * 1024)

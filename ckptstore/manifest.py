@@ -10,9 +10,9 @@ bytes (sorted keys, no whitespace), which the golden tests pin.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .catalog import BlobRow, TensorRow
+from .catalog import BlobRow, FileRow, TensorRow
 from .errors import CorruptError
 
 MANIFEST_VERSION = 1
@@ -34,6 +34,10 @@ class Manifest:
     layer_sources: dict[str, int]
     tensors: list[TensorRow]
     blobs: list[BlobRow]
+    # Optional parts, encoded only when present (older manifests lack them):
+    # layer -> (step compared with, relative update), and the step's auxiliary files.
+    updates: dict[str, tuple[int | None, float | None]] = field(default_factory=dict)
+    files: list[FileRow] = field(default_factory=list)
 
     def encode(self) -> bytes:
         """Canonical bytes of the manifest."""
@@ -47,6 +51,11 @@ class Manifest:
             "tensors": [[t.layer, t.name, t.kind, t.start, t.numel, t.blob] for t in self.tensors],
             "blobs": sorted([b.key, b.size, b.raw_size] for b in self.blobs),
         }
+        measured = [[layer, *update] for layer, update in self.updates.items() if update[0] is not None]
+        if measured:
+            body["updates"] = measured
+        if self.files:
+            body["files"] = sorted([f.path, f.key, f.size] for f in self.files)
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -69,6 +78,11 @@ class Manifest:
                     for a, b, c, d, e, f in body["tensors"]
                 ],  # fmt: skip
                 blobs=[BlobRow(str(k), int(s), int(r)) for k, s, r in body["blobs"]],
+                updates={
+                    str(layer): (int(since), None if size is None else float(size))
+                    for layer, since, size in body.get("updates", [])
+                },
+                files=[FileRow(str(p), str(k), int(n)) for p, k, n in body.get("files", [])],
             )
         except CorruptError:
             raise

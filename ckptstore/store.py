@@ -22,8 +22,11 @@ from typing import Any
 
 import torch
 
-from . import codec, collective, knobs
-from .catalog import BlobRow, Catalog, StepRow, TensorRow
+from . import catalog_sync, codec, collective, compose, knobs, stats, strategies
+from . import files as auxfiles
+from .background import CommitHandle, CommitQueue
+from .catalog import BlobRow, Catalog, FileRow, LayerRow, StepRow, TensorRow
+from .deepspeed.layout import Snapshot
 from .errors import BadInputError, ConflictError, CorruptError, NotFoundError, UnsupportedError
 from .gc import GcReport, collect
 from .layers import layer_of, ordered_layers
@@ -50,6 +53,8 @@ class CommitReport:
     tensors: int
     blobs_added: int
     bytes_added: int
+    # layer -> relative change of its fp32 masters since its last save (None: not measurable)
+    updates: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,13 +126,25 @@ def _check_step(step: Any) -> int:
 class Store:
     """A checkpoint store: blobs in an ObjectStore, an index in a Catalog."""
 
-    def __init__(self, objects: ObjectStore, catalog: Catalog) -> None:
+    def __init__(self, objects: ObjectStore, catalog: Catalog, *, manifest_commits: bool = False) -> None:
         self.objects = objects
         self.catalog = catalog
+        # True for stores whose manifests are the commit points and the catalog a local index
+        # of them (S3, see catalog_sync); False where the catalog row commits (local stores).
+        self.manifest_commits = manifest_commits
+        self._queue: CommitQueue | None = None
+        self._closed = False
 
     def close(self) -> None:
-        """Release the catalog; the store stays usable by reopening it."""
-        self.catalog.close()
+        """Flush a background commit in flight (raising its error), then release the catalog."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._queue is not None:
+                self._queue.close()
+        finally:
+            self.catalog.close()
 
     def __enter__(self) -> Store:
         return self
@@ -149,37 +166,113 @@ class Store:
         """Summary of every committed step (time, layers saved, bytes added), oldest first."""
         return self.catalog.log()
 
+    def show(self, step: int) -> list[LayerRow]:
+        """Every layer of ``step``: the step it comes from, its stored bytes, and its update
+        (relative change of its fp32 masters since its last save, measured at ``step``).
+        Raises NotFoundError."""
+        return self.catalog.layer_rows(_check_step(step))
+
+    def files(self, step: int) -> list[FileRow]:
+        """The auxiliary files kept with ``step``. Raises NotFoundError."""
+        return self.catalog.files(_check_step(step))
+
     # -- commit ----------------------------------------------------------------------------
 
     def commit(
         self,
         engine: Any,
         step: int,
-        layers: Iterable[str] | None = None,
+        layers: strategies.Selection = None,
         client_state: dict | None = None,
+        files: auxfiles.FileSpec | None = None,
+        *,
+        blocking: bool = True,
+    ) -> CommitReport | CommitHandle:
+        """Store the engine's checkpoint state as ``step``.
+
+        Blocking (the default): returns the CommitReport once the step is durable.
+        ``blocking=False``: returns a CommitHandle as soon as the tensors are snapshotted into
+        host buffers, so training may go on; hashing, compression, writes and recording run
+        in the background. ``handle.result()`` or ``store.wait()`` waits and raises if that
+        failed (a failed commit records nothing); the next commit and ``close()`` wait too.
+        Arguments as for ``_commit``.
+        """
+        self._ensure_open()
+        if blocking:
+            self.wait()
+            return self._commit(engine, step, layers, client_state, files)
+        from .deepspeed.extract import extract
+
+        step = _check_step(step)
+        queue = self._background()
+        queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
+        if self.catalog.has_step(step):
+            raise ConflictError(f"step {step} is already committed")
+        collective.use_commit_group()  # background collectives must not mix with training's
+        snapshot = queue.buffers.copy(extract(engine, client_state))
+        return queue.submit(step, lambda: self._commit(None, step, layers, None, files, prepared=snapshot))
+
+    def wait(self) -> CommitReport | None:
+        """Wait for a background commit in flight; returns its report, raises its error."""
+        return self._queue.wait() if self._queue is not None else None
+
+    def _background(self) -> CommitQueue:
+        if self._queue is None:
+            self._queue = CommitQueue()
+        return self._queue
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise BadInputError("this store was closed; open it again")
+
+    def _commit(
+        self,
+        engine: Any,
+        step: int,
+        layers: strategies.Selection = None,
+        client_state: dict | None = None,
+        files: auxfiles.FileSpec | None = None,
+        prepared: Snapshot | None = None,
     ) -> CommitReport:
-        """Store the engine's checkpoint state as ``step``; durable when it returns.
+        """Store the engine's checkpoint state (or the ``prepared`` snapshot of it) as ``step``.
 
         ``layers`` = None saves every layer; a list saves only those layers and inherits the
-        rest from the newest earlier step. ``client_state`` is kept like DeepSpeed's
-        ``save_checkpoint(client_state=...)``. Raises ConflictError if the step exists,
-        BadInputError for unknown layers or a partial first commit, UnsupportedError for
-        engines ckptstore cannot store. On any error nothing is recorded.
+        rest from the newest earlier step; a ``ckptstore.strategies.Strategy`` or a callable
+        ``(layer, context) -> bool`` chooses them from the store's history and the update
+        statistics (a store's first commit saves every layer whatever they say). Every commit
+        records each layer's update since its last save (``show``). ``client_state`` is kept
+        like DeepSpeed's ``save_checkpoint(client_state=...)``. ``files`` (paths, or a
+        directory) are kept with the step and copied out by ``materialize``; None keeps the
+        previous step's. Raises ConflictError if the step exists, BadInputError for unknown
+        layers, a partial first commit or unusable files, UnsupportedError for engines
+        ckptstore cannot store. On any error nothing is recorded.
         """
         from .deepspeed.extract import extract
 
         step = _check_step(step)
+        own: dict[str, Any] = {}  # this rank's snapshot and outcomes, kept between the phases
+        rank_zero = collective.world()[0] == 0
 
-        def store_own_share() -> _RankShare:
+        def sample_own_share() -> stats.RankSamples:
             if self.catalog.has_step(step):
                 raise ConflictError(f"step {step} is already committed")
-            snapshot = extract(engine, client_state)
+            own["files"] = auxfiles.collect(files) if rank_zero and files is not None else None
+            own["snapshot"] = snapshot = prepared if prepared is not None else extract(engine, client_state)
+            return stats.own_samples(snapshot.pieces, snapshot.description["params"])
+
+        def store_own_share() -> _RankShare:
+            snapshot = own.pop("snapshot")
             description = snapshot.description
             names = [key for key, role in description["module_keys"] if role != "alias"]
             all_layers = ordered_layers(names)
-            saved = self._select_layers(step, all_layers, layers, description)
+            samples = stats.merge(sampled, description["params"])
+            context, own["updates"] = self._tailoring_context(step, all_layers, description, samples)
+            saved = self._select_layers(step, all_layers, strategies.resolve(layers, context), description)
             pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
             rows, blobs, created = self._store_pieces(step, pieces)
+            if rank_zero:
+                own["samples"] = {name: s for name, s in samples.items() if layer_of(name) in saved}
+                own["files"] = self._store_files(step, own["files"])
             return _RankShare(
                 description if snapshot.rank == 0 else None, snapshot.world_size, all_layers,
                 [layer for layer in all_layers if layer in saved], rows, blobs, created,
@@ -188,6 +281,8 @@ class Store:
         # The shared gc lock spans reading the previous step, reusing blobs and recording: a
         # concurrent gc (exclusive) runs wholly before or wholly after this commit.
         with self.objects.lock(exclusive=False):
+            # Every rank measures the updates from every rank's samples, so all choose alike.
+            sampled = collective.on_every_rank(f"commit of step {step}", sample_own_share)
             # Every rank's blobs are durable before any rank goes on (the gather is the barrier).
             shares = collective.on_every_rank(f"commit of step {step}", store_own_share)
             first = shares[0]
@@ -206,9 +301,13 @@ class Store:
             collective.on_rank_zero(
                 f"recording step {step}",
                 lambda: self._record(
-                    step, first.world_size, first.description, layer_sources, rows, blobs, created
+                    step, first.world_size, first.description, layer_sources, rows, blobs, created,
+                    updates=own["updates"], samples=own["samples"], files=own["files"],
                 ),
-            )
+            )  # fmt: skip
+            if self.manifest_commits:
+                # Ranks on other machines have their own index: add the step rank 0 committed.
+                catalog_sync.import_step(self.catalog, self.objects, step)
         return CommitReport(
             step=step,
             layers_saved=saved,
@@ -216,7 +315,38 @@ class Store:
             tensors=len(rows),
             blobs_added=len(created),
             bytes_added=sum(created.values()),
+            updates={layer: update for layer, (_, update) in own["updates"].items()},
         )
+
+    def _tailoring_context(
+        self, step: int, all_layers: list[str], description: dict, samples: dict[str, bytes]
+    ) -> tuple[strategies.CommitContext, dict[str, tuple[int | None, float | None]]]:
+        """What a strategy sees at this commit, and every layer's (step compared with, update)."""
+        previous = self.catalog.latest_step(before=step)
+        sources = self.catalog.sources(previous) if previous is not None else {}
+        if list(sources) != all_layers:
+            sources = {}  # another model: nothing to compare with, nothing to inherit
+        updates = stats.layer_updates(all_layers, sources, description["params"], samples, self.catalog)
+        if sources:
+            try:
+                self._check_inheritable(previous, all_layers, description)
+            except BadInputError:
+                sources = {}
+        context = strategies.CommitContext(
+            step=step,
+            layers=tuple(all_layers),
+            steps=tuple(s for s in self.catalog.steps() if s < step),
+            sources=sources,
+            updates={layer: update for layer, (_, update) in updates.items()},
+        )
+        return context, updates
+
+    def _store_files(self, step: int, entries: list | None) -> list[FileRow]:
+        """Store the given auxiliary files; without any, the previous step's files are kept."""
+        if entries is not None:
+            return auxfiles.store(self.objects, entries)
+        previous = self.catalog.latest_step(before=step)
+        return self.catalog.files(previous) if previous is not None else []
 
     def _record(
         self,
@@ -227,6 +357,10 @@ class Store:
         rows: list[TensorRow],
         blobs: list[BlobRow],
         created: dict[str, int],
+        *,
+        updates: dict[str, tuple[int | None, float | None]] | None = None,
+        samples: dict[str, bytes] | None = None,
+        files: list[FileRow] | None = None,
     ) -> None:
         """Write the step's manifest, then its catalog rows (the commit point)."""
         inherited_rows = [
@@ -245,7 +379,17 @@ class Store:
             layer_sources=layer_sources,
             tensors=rows + inherited_rows,
             blobs=list(all_blobs.values()),
+            updates=updates or {},
+            files=files or [],
         )
+        if self.manifest_commits:
+            # The manifest, written create-only, is the commit point; the index follows it.
+            catalog_sync.publish(self.objects, manifest)
+            catalog_sync.import_manifest(
+                self.catalog, manifest, blobs_added=len(created), bytes_added=sum(created.values()),
+                samples=samples,
+            )  # fmt: skip
+            return
         # A manifest left by a commit that died before its catalog row is not a step; replace it.
         self.objects.delete(manifest_name(step))
         self.objects.put_if_absent(manifest_name(step), manifest.encode())
@@ -259,6 +403,9 @@ class Store:
             blobs=blobs,
             blobs_added=len(created),
             bytes_added=sum(created.values()),
+            updates=updates,
+            samples=samples,
+            files=files,
         )
 
     def _select_layers(
@@ -298,7 +445,9 @@ class Store:
     def _store_pieces(self, step: int, pieces: list) -> tuple[list[TensorRow], list[BlobRow], dict[str, int]]:
         """Hash, encode and store pieces in parallel; returns rows, blob sizes, {created key: size}."""
 
-        def store(piece) -> tuple[TensorRow, BlobRow, bool]:
+        def store(piece) -> tuple[TensorRow, BlobRow, bool] | None:
+            if piece.redundant():
+                return None  # a module weight that is its fp32 master cast down
             key = codec.tensor_key(piece.tensor)
             name = blob_name(key)
             raw_size = piece.tensor.numel() * piece.tensor.element_size()
@@ -316,7 +465,7 @@ class Store:
             return row, BlobRow(key, size, raw_size), created
 
         with ThreadPoolExecutor(knobs.io_threads()) as pool:
-            results = list(pool.map(store, pieces))
+            results = [result for result in pool.map(store, pieces) if result is not None]
         rows = [r for r, _, _ in results]
         blobs = {blob.key: blob for _, blob, _ in results}
         created = {blob.key: blob.size for _, blob, was_created in results if was_created}
@@ -325,18 +474,35 @@ class Store:
     # -- materialize -----------------------------------------------------------------------
 
     def materialize(
-        self, step: int, out: str | os.PathLike, *, world_size: int | None = None, force: bool = False
+        self,
+        step: int | None = None,
+        out: str | os.PathLike | None = None,
+        *,
+        spec: compose.Spec | None = None,
+        world_size: int | None = None,
+        force: bool = False,
     ) -> Path:
         """Write a DeepSpeed checkpoint directory for ``step`` at ``out`` and return its path.
 
-        ``out`` gets ``latest`` and ``global_step<step>/``; ``engine.load_checkpoint(out)``
-        resumes from it. The directory is built beside ``out`` and renamed into place, so
-        ``out`` never holds a partial checkpoint. An existing non-empty ``out`` is refused
-        unless ``force``. Raises NotFoundError (unknown step, missing blob), CorruptError
-        (a blob fails verification: nothing is written), ConflictError (non-empty ``out``).
+        ``out`` gets ``latest`` and ``global_step<step>/``, and the step's auxiliary files;
+        ``engine.load_checkpoint(out)`` resumes from it. Instead of a step, ``spec`` (a compose
+        spec: YAML file or mapping, see ``ckptstore.compose``) picks the step of every layer
+        range and of the non-tensor state, which names the directory. The directory is built
+        beside ``out`` and renamed into place, so ``out`` never holds a partial checkpoint. An
+        existing non-empty ``out`` is refused unless ``force``. Raises NotFoundError (unknown
+        step, missing blob), BadInputError (a bad spec: nothing is written), CorruptError (a
+        blob fails verification: nothing is written), ConflictError (non-empty ``out``).
         """
         from .deepspeed.write import write_checkpoint
 
+        if out is None:
+            raise BadInputError("materialize needs an output directory")
+        sources = None
+        if spec is not None:
+            if step is not None:
+                raise BadInputError("materialize takes a step or a compose spec, not both")
+            plan = compose.plan(spec, self.catalog)
+            step, sources = plan.state, plan.sources
         step = _check_step(step)
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise BadInputError(f"world size must be a positive integer, not {world_size!r}")
@@ -344,12 +510,15 @@ class Store:
         out = Path(out).absolute()
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
             raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
-        tensors = self._load_tensors(step, description)
+        tensors = self._load_tensors(step, description, sources)
+        files = self.catalog.files(step)
+        auxfiles.check_rows(files)
 
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
         try:
             write_checkpoint(description, tensors, staging, f"global_step{step}", world_size)
+            auxfiles.copy_out(self.objects, files, staging)
             self._swap_into_place(staging, out)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -365,9 +534,11 @@ class Store:
         else:
             staging.rename(out)
 
-    def _load_tensors(self, step: int, description: dict) -> _StepTensors:
-        """Fetch, verify and assemble every tensor ``step`` needs; returns a (name, kind) lookup."""
-        sources = self.catalog.sources(step)
+    def _load_tensors(
+        self, step: int, description: dict, sources: dict[str, int] | None = None
+    ) -> _StepTensors:
+        """Fetch, verify and assemble every tensor ``step`` (or ``sources``) needs; a (name, kind) lookup."""
+        sources = self.catalog.sources(step) if sources is None else sources
         by_source: dict[int, list[str]] = defaultdict(list)
         for layer, source in sources.items():
             by_source[source].append(layer)
@@ -549,21 +720,47 @@ class _StepTensors:
         return full.reshape(shape)
 
 
-def open(uri: str | os.PathLike, *, create: bool = True) -> Store:  # noqa: A001 - the public name
-    """Open (and by default create) the store at ``uri``: a path or ``file://`` URI.
+def open(  # noqa: A001 - the public name
+    uri: str | os.PathLike, *, create: bool = True, endpoint_url: str | None = None
+) -> Store:
+    """Open (and by default create) the store at ``uri``: a path, ``file://`` or ``s3://bucket/prefix``.
 
-    Raises NotFoundError if the store does not exist and ``create`` is false,
-    UnsupportedError if it was written by a newer ckptstore format.
+    An S3 store's catalog is a local index under ``CKPTSTORE_CACHE``, brought up to date from
+    the bucket's manifests here (steps committed elsewhere later appear on the next open).
+    ``endpoint_url`` names an S3-compatible server (default: ``AWS_ENDPOINT_URL``, else AWS).
+    Raises NotFoundError if the store (or its bucket) does not exist and ``create`` is false,
+    UnsupportedError if it was written by a newer ckptstore format, StorageError if the
+    storage cannot be reached or refuses access.
     """
+    objects = _open_objects(uri, create=create, endpoint_url=endpoint_url)
+    root = getattr(objects, "root", None)
+    if root is None:
+        return Store(objects, catalog_sync.open_index(objects), manifest_commits=True)
+    return Store(objects, Catalog(Path(root) / "catalog.db"))
+
+
+def rebuild_catalog(uri: str | os.PathLike, *, endpoint_url: str | None = None) -> catalog_sync.SyncReport:
+    """Replace the store's catalog by one rebuilt from its manifests; returns what it holds.
+
+    For an S3 store that is the local index; for a local store its ``catalog.db`` (which may
+    be missing or corrupt). Every step whose manifest is readable and whose blobs are all
+    present comes back, including, on a local store, steps whose commit was interrupted
+    between manifest and catalog row. Run it while nothing else uses the store's catalog.
+    Raises NotFoundError if there is no store at ``uri``.
+    """
+    objects = _open_objects(uri, create=False, endpoint_url=endpoint_url)
+    root = getattr(objects, "root", None)
+    path = catalog_sync.cache_path(objects) if root is None else Path(root) / "catalog.db"
+    return catalog_sync.rebuild(path, objects)
+
+
+def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | None) -> ObjectStore:
     uri = os.fspath(uri)
     if not uri:
         raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
-    objects = open_objects(uri, create=create)
+    objects = open_objects(uri, create=create, endpoint_url=endpoint_url)
     _check_config(objects)
-    root = getattr(objects, "root", None)
-    if root is None:
-        raise UnsupportedError(f"{uri}: only local stores are supported by this version")
-    return Store(objects, Catalog(Path(root) / "catalog.db"))
+    return objects
 
 
 def _check_config(objects: ObjectStore) -> None:

@@ -7,6 +7,7 @@ Modes:
                         blob (after some blobs), manifest (before the catalog row), catalog (inside it)
   commit-loop           commit steps 1, 2, 3, ... forever (print "ready" after the first); killed by the test
   commit-n N DUMPS      commit N steps (every third one partial), saving each step's state to DUMPS/<step>.pt
+  commit-async-exit     start a non-blocking commit of step 1 and exit normally right away
   gc-loop SECONDS       run gc(keep_last=3, grace=0) over and over for SECONDS
   gc-die-after N        gc(keep_last=1, grace=0), dying after N blob deletions
 """
@@ -89,6 +90,14 @@ def commit_n(store, n: int, dumps: Path) -> None:
         torch.save(state_values(eng), dumps / f"{step}.pt")
 
 
+def commit_async_and_exit(store) -> None:
+    """Start a non-blocking commit and end the script at once: exit must flush it."""
+    eng = engine()
+    train(eng, batches(1))
+    store.commit(eng, step=1, blocking=False)
+    sys.exit(0)  # a normal exit, so atexit handlers run
+
+
 def gc_loop(store, seconds: float) -> None:
     end = time.time() + seconds
     runs = 0
@@ -130,6 +139,8 @@ def main() -> None:
         commit_loop(store)
     elif mode == "commit-n":
         commit_n(store, int(args[0]), Path(args[1]))
+    elif mode == "commit-async-exit":
+        commit_async_and_exit(store)
     elif mode == "gc-loop":
         gc_loop(store, float(args[0]))
     elif mode == "gc-die-after":

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.engines import batches, build_engine, setup_single_process_env, train  # noqa: E402
 
-CONFIGS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+CONFIGS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
 DATA = batches(6)
 
 
@@ -98,6 +98,44 @@ def composite(root: Path) -> dict:
     return results
 
 
+def tailor(root: Path) -> dict:
+    """UpdateMagnitude commits on 2 ranks: what each rank chose and measured, and (rank 0)
+    whether the recorded samples equal samples taken from the stored whole tensors."""
+    import json as _json
+
+    import ckptstore
+    from ckptstore import stats
+    from ckptstore.deepspeed.layout import Piece
+    from ckptstore.strategies import UpdateMagnitude
+
+    results = {}
+    for stage in (2, 3):
+        name = f"tailor-zero{stage}"
+        store = ckptstore.open(root / name)
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=3)
+        runs = []
+        for step in (1, 2, 3, 4):
+            train(engine, DATA[step - 1 : step])
+            report = store.commit(engine, step=step, layers=UpdateMagnitude(threshold=0.02, max_age=2))
+            runs.append({"saved": report.layers_saved, "updates": report.updates})
+        mismatched = []
+        if rank() == 0:
+            for step in (1, 2, 3, 4):
+                description = _json.loads(store.catalog.description(step))
+                params = description["params"]
+                tensors = store._load_tensors(step, description)
+                whole = [Piece(n, "fp32", 0, tensors(n, "fp32")) for n in params if params[n]["trainable"]]
+                expected = stats.own_samples(whole, params)
+                recorded = store.catalog.samples(step, list(params))
+                for param, sample in recorded.items():
+                    if expected[param] != [(0, sample)]:
+                        mismatched.append(f"{step} {param}")
+                if step == 1 and len(recorded) != len(whole):
+                    mismatched.append(f"step 1 recorded {len(recorded)} of {len(whole)} samples")
+        results[name] = {"runs": runs, "mismatched": mismatched}
+    return results
+
+
 # Configs committed by a job of one size and loaded by a job of another.
 RESHARD = {
     "zero1": (1, {}),
@@ -162,6 +200,34 @@ def failing_rank(root: Path) -> dict:
     return {"outcome": outcome, "steps": ckptstore.open(root / "failing").steps()}
 
 
+def s3_machines(root: Path) -> dict:
+    """Each rank on a machine of its own (own catalog cache) commits into the S3 store named by
+    $CKPTSTORE_STORE; a third machine materializes the step; both ranks resume from it."""
+    import ckptstore
+
+    uri = os.environ["CKPTSTORE_STORE"]
+    os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-rank{rank()}")
+    store = ckptstore.open(uri)
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=3)
+    train(engine, DATA[:3])
+    store.commit(engine, step=3)
+    reference = train(engine, DATA[3:])
+    store.commit(engine, step=6, layers=["model.layers.1"])
+    seen = {"steps": store.steps(), "sources": store.sources(6)}
+    # Both ranks again, now on one node sharing a fresh cache, importing the steps at once.
+    os.environ["CKPTSTORE_CACHE"] = str(root / "cache-node")
+    barrier()
+    seen["shared_cache_steps"] = ckptstore.open(uri).steps()
+    if rank() == 0:
+        os.environ["CKPTSTORE_CACHE"] = str(root / "cache-elsewhere")
+        ckptstore.open(uri, create=False).materialize(3, root / "out")
+    barrier()
+    resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=99, num_layers=3)
+    resumed.load_checkpoint(str(root / "out"))
+    return {**seen, "loaded_step": resumed.global_steps, "reference": reference,
+            "resumed": train(resumed, DATA[3:])}  # fmt: skip
+
+
 def main() -> None:
     setup_single_process_env()
     import logging
@@ -173,7 +239,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank}  # fmt: skip
+             "fail": failing_rank, "tailor": tailor, "s3": s3_machines}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

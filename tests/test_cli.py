@@ -131,6 +131,71 @@ def test_non_empty_output_is_refused_without_force(run, store_path, tmp_path):
 
 def test_help_explains_every_command(run):
     result = run("--help")
-    for command in ("materialize", "log", "verify"):
+    for command in ("materialize", "log", "verify", "show"):
         assert command in result.stdout
     assert "Example:" in run("materialize", "--help").stdout
+
+
+def test_show_lists_each_layer_with_its_source_step_bytes_and_update(run, store_path):
+    result = run("--store", store_path, "show", "--step", 400)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["layer", "from", "step", "bytes", "update", "since"]
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert list(rows) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    assert {layer: row[1] for layer, row in rows.items()} == {
+        "model.embed_tokens": "300", "model.layers.0": "300", "model.layers.1": "400",
+        "model.norm": "300", "lm_head": "300",
+    }  # fmt: skip
+    assert rows["model.layers.1"][4:] == ["0.00e+00", "300"]  # nothing trained between the commits
+    assert lines[-1].startswith("1 of 5 layers saved at step 400;")
+    shown = run("--store", store_path, "show", "--step", 300, "--json").stdout
+    first = [json.loads(line) for line in shown.splitlines()]
+    assert {row["layer"]: (row["source"], row["update"]) for row in first}["model.layers.0"] == (300, None)
+    assert all(row["bytes"] > 0 and row["raw_bytes"] > 0 for row in first)
+    assert run("--store", store_path, "show", "--step", 7).returncode == 3
+
+
+@pytest.fixture
+def gc_store(tmp_path, store_path):
+    """A copy of the module's store, for commands that change it."""
+    import shutil
+
+    copy = tmp_path / "gc-store"
+    shutil.copytree(store_path, copy)
+    return copy
+
+
+def test_gc_dry_run_prints_what_would_go_and_changes_nothing(run, gc_store):
+    result = run("--store", gc_store, "gc", "--keep-last", 1, "--grace", "0s", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("would drop 1 step(s): 300; kept 1")
+    assert "would free" in result.stdout
+    assert [
+        json.loads(line)["step"] for line in run("--store", gc_store, "log", "--json").stdout.splitlines()
+    ] == [
+        300,
+        400,
+    ]
+
+
+def test_gc_is_quiet_under_cron_and_reports_json_for_scripts(run, gc_store):
+    quiet = run("--store", gc_store, "gc", "--keep-last", 1, "--grace", "0")
+    assert quiet.returncode == 0 and quiet.stdout == ""  # not a terminal: nothing to say
+    report = json.loads(run("--store", gc_store, "gc", "--grace", "0", "--json").stdout)
+    assert report["steps_dropped"] == [] and report["steps_kept"] == [400]
+    assert run("--store", gc_store, "verify").returncode == 0
+
+
+def test_gc_refuses_to_drop_every_step_and_bad_durations(run, gc_store):
+    result = run("--store", gc_store, "gc", "--keep-last", 0)
+    assert result.returncode == 2 and "--allow-empty" in result.stderr
+    result = run("--store", gc_store, "gc", "--grace", "soon")
+    assert result.returncode == 2 and "not a duration" in result.stderr
+
+
+def test_delete_drops_a_step_record(run, gc_store):
+    result = run("--store", gc_store, "delete", "--step", 300)
+    assert result.returncode == 0 and "dropped step 300" in result.stdout
+    assert run("--store", gc_store, "materialize", "--step", 300, gc_store.parent / "o").returncode == 3
+    assert run("--store", gc_store, "delete", "--step", 300).returncode == 3

@@ -287,10 +287,9 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         flat = tensor.reshape(-1)
         for master in fp32_by_name.get(key, []):
             numel = master.tensor.numel()
-            weight = flat[master.start : master.start + numel]
-            if not torch.equal(master.tensor.reshape(-1).to(tensor.dtype), weight):
-                whole = master.start == 0 and numel == flat.numel()
-                pieces.append(Piece(key, WEIGHT, master.start, tensor if whole else weight))
+            whole = master.start == 0 and numel == flat.numel()
+            weight = tensor if whole else flat[master.start : master.start + numel]
+            pieces.append(Piece(key, WEIGHT, master.start, weight, unless_equal_to=master.tensor))
 
     extra_model = {k: v for k, v in model_state.items() if k not in _LAYOUT_MODEL_KEYS}
     extra_optim = {k: v for k, v in osd.items() if k not in _LAYOUT_OPTIM_KEYS} if flavour != BASIC else {}

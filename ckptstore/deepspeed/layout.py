@@ -37,12 +37,25 @@ ALIGNMENT_FACTOR = 2
 
 @dataclass
 class Piece:
-    """One tensor to store: ``kind`` of ``name``, whole (start 0, full shape) or a 1-D fragment."""
+    """One tensor to store: ``kind`` of ``name``, whole (start 0, full shape) or a 1-D fragment.
+
+    A module weight that may just be its fp32 master cast down carries that master as
+    ``unless_equal_to``: it is stored only if ``unless_equal_to.to(tensor.dtype)`` differs
+    from it (``redundant``). The comparison is left to the store so it can run after the
+    snapshot, off the training loop.
+    """
 
     name: str
     kind: str
     start: int
     tensor: torch.Tensor
+    unless_equal_to: torch.Tensor | None = None
+
+    def redundant(self) -> bool:
+        """Whether this piece can be rebuilt from ``unless_equal_to`` and need not be stored."""
+        if self.unless_equal_to is None:
+            return False
+        return torch.equal(self.unless_equal_to.reshape(-1).to(self.tensor.dtype), self.tensor.reshape(-1))
 
 
 @dataclass

@@ -78,9 +78,32 @@ class ObjectStore(abc.ABC):
         """Every finished object whose name starts with ``prefix`` (in-flight writes are never listed)."""
 
 
-def open_objects(uri: str, *, create: bool = True) -> ObjectStore:
-    """The backend for ``uri``: a local path or ``file://`` URI (S3 comes with its backend)."""
+def check_name(name: str) -> str:
+    """``name`` if it is a valid object name; BadInputError for empty, absolute, ``..``, ``.tmp`` names."""
+    from .. import knobs
+
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise BadInputError(f"invalid object name {name!r}")
+    if name.endswith(knobs.tmp_suffix()):
+        raise BadInputError(f"object names may not end in {knobs.tmp_suffix()}: {name!r}")
+    return name
+
+
+def open_objects(uri: str, *, create: bool = True, endpoint_url: str | None = None) -> ObjectStore:
+    """The backend for ``uri``: a local path, a ``file://`` URI or ``s3://bucket/prefix``.
+
+    ``endpoint_url`` (S3 only) names an S3-compatible server; by default boto3 takes it from
+    ``AWS_ENDPOINT_URL`` or talks to AWS.
+    """
     parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        # boto3 is imported only by stores that need it.
+        from .s3 import S3ObjectStore
+
+        return S3ObjectStore(uri, create=create, endpoint_url=endpoint_url)
+    if endpoint_url is not None:
+        raise BadInputError(f"endpoint_url applies to s3:// stores, not to {uri!r}")
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and uri[1:3] in (":\\", ":/")):
         from .local import LocalObjectStore
 
@@ -88,4 +111,6 @@ def open_objects(uri: str, *, create: bool = True) -> ObjectStore:
         if parsed.scheme == "file" and parsed.netloc:
             raise BadInputError(f"file URIs name a local path (file:///abs/path), not a host: {uri}")
         return LocalObjectStore(path, create=create)
-    raise BadInputError(f"unsupported store URI scheme {parsed.scheme!r} in {uri!r} (use a path or file://)")
+    raise BadInputError(
+        f"unsupported store URI scheme {parsed.scheme!r} in {uri!r} (use a path, file:// or s3://)"
+    )

@@ -1,0 +1,130 @@
+"""Non-blocking commits: snapshot the engine's tensors, persist them on a background thread.
+
+The training loop only waits for ``snapshot``: every tensor a commit stores is copied into
+host buffers (pinned when the source is on a GPU, so the copy is a fast DMA), and the buffers
+are reused by the next commit with the same shapes, so memory stays bounded by one snapshot.
+Hashing, compression, uploads and recording then run on one background thread per store;
+a commit waits for the previous one, and errors surface from ``CommitHandle.result()``,
+``Store.wait()``, the next commit, or ``Store.close()``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .deepspeed.layout import Piece, Snapshot
+from .errors import CkptStoreError
+
+
+class SnapshotBuffers:
+    """Host buffers a snapshot is copied into, kept for the next snapshot of the same shapes."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def _buffer(self, slot: tuple, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            pin = like.device.type == "cuda"
+            buffer = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+            self._buffers[slot] = buffer
+        return buffer
+
+    def copy(self, snapshot: Snapshot) -> Snapshot:
+        """A copy of ``snapshot`` whose tensors live in these buffers (the engine may go on)."""
+        copies: dict[int, torch.Tensor] = {}  # the same tensor is copied once
+
+        def copied(slot: tuple, tensor: torch.Tensor) -> torch.Tensor:
+            key = id(tensor)
+            if key not in copies:
+                buffer = self._buffer(slot, tensor)
+                buffer.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda")
+                copies[key] = buffer
+            return copies[key]
+
+        pieces: list[Piece] = []
+        for piece in snapshot.pieces:
+            slot = (piece.name, piece.kind, piece.start)
+            master = None
+            if piece.unless_equal_to is not None:
+                master = copied((piece.name, "fp32", piece.start), piece.unless_equal_to)
+            pieces.append(replace(piece, tensor=copied(slot, piece.tensor), unless_equal_to=master))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device-to-host copies must land before training goes on
+        return replace(snapshot, pieces=pieces)
+
+
+class CommitHandle:
+    """A commit running in the background; ``result()`` waits and returns its report or raises."""
+
+    def __init__(self, step: int, future: Future) -> None:
+        self.step = step
+        self._future = future
+
+    def done(self) -> bool:
+        """Whether the commit has finished (successfully or not)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait until the step is durable and return its CommitReport; re-raises its error."""
+        return self._future.result(timeout)
+
+
+class CommitQueue:
+    """One background worker per store; at most one commit in flight."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-commit")
+        self._pending: CommitHandle | None = None
+        self._lock = threading.Lock()
+        self.buffers = SnapshotBuffers()
+        _live_queues.add(self)
+
+    def submit(self, step: int, fn) -> CommitHandle:
+        """Run ``fn`` in the background (after waiting for the previous commit)."""
+        with self._lock:
+            self.wait()
+            handle = CommitHandle(step, self._pool.submit(fn))
+            self._pending = handle
+            return handle
+
+    def wait(self) -> Any:
+        """Wait for the commit in flight, if any; raises its error once."""
+        handle, self._pending = self._pending, None
+        return None if handle is None else handle.result()
+
+    def close(self) -> None:
+        """Flush the commit in flight and stop the worker; raises the commit's error."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            _live_queues.discard(self)
+
+
+_live_queues: weakref.WeakSet[CommitQueue] = weakref.WeakSet()
+
+
+def _flush_at_exit() -> None:
+    # A background commit must not be lost silently when the training script just ends.
+    for queue in list(_live_queues):
+        try:
+            queue.close()
+        except CkptStoreError as exc:
+            print(f"ckptstore: a background commit failed: {exc}", file=sys.stderr)
+        except Exception as exc:  # still say so: exit is the last chance
+            print(f"ckptstore: a background commit failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+# Registered with threading rather than atexit: at interpreter exit, concurrent.futures
+# refuses new work once its own threading-exit hook has run, and a commit still in flight
+# needs its thread pools. threading runs these hooks last-registered first, so ours, added
+# after concurrent.futures was imported, flushes while pools still work.
+threading._register_atexit(_flush_at_exit)

@@ -1,0 +1,387 @@
+"""Objects in an S3 bucket (AWS S3 or an S3-compatible server: MinIO, Ceph, R2), through boto3.
+
+``s3://bucket/prefix``: object ``name`` is the key ``prefix/name``. Credentials come from boto3's
+standard chain; the endpoint from ``endpoint_url=``, else ``AWS_ENDPOINT_URL``, else AWS. The
+bucket must exist: a typo in a URI should fail, not create a bucket.
+
+Create-only writes. Every PutObject and CompleteMultipartUpload this backend sends carries
+``If-None-Match: *``, so an existing key is never replaced and the server answers 412
+PreconditionFailed instead. Names are content-addressed (manifests are compared by their
+caller), so 412 means "already there": ``put_if_absent`` returns False. A reply lost after the
+write landed, followed by botocore's retry, also ends in 412 for this call's own write; it
+then reports False too, with the object in place either way. Concurrent conditional writes of
+one key can get 409 ConditionalRequestConflict, which botocore's retry modes do not retry:
+retried here with backoff until the key exists (412) or the write wins.
+
+Large objects go through boto3's transfer manager in parts. s3transfer (0.19) does not accept
+IfNoneMatch among its upload arguments, so a ``before-parameter-build`` hook adds it to the
+CompleteMultipartUpload request, the moment a multipart object appears, atomically; AWS and
+moto evaluate it there. A server that ignores the header there (older MinIO or Ceph) lets a
+concurrent upload of the same key complete twice: for a content-addressed blob that rewrites
+the same bytes, for a manifest (small, never multipart in practice) it would be a lost race.
+A HEAD before a multipart upload skips uploading the parts of an object that already exists;
+it is an optimisation only (two writers can both see no object and both upload parts: the
+create-only completion decides). Parts of an upload that never completes are not objects and
+are never listed; a bucket lifecycle rule (AbortIncompleteMultipartUpload) reclaims them.
+
+Retries: botocore's default mode is still ``legacy``; ``standard`` is set explicitly (retries
+5xx, throttling such as 503 SlowDown, timeouts and connection errors, with jittered backoff).
+Errors come out as ckptstore errors: a missing bucket or key is NotFoundError; 403 and bad or
+missing credentials a permanent StorageError; what survives the retries a transient one.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import boto3
+import botocore.loaders
+import botocore.session
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    IncompleteReadError,
+    NoCredentialsError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+
+from .. import knobs
+from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError
+from . import ObjectInfo, ObjectStore, check_name
+
+T = TypeVar("T")
+
+# CopyObject copies at most 5 GiB in one request; larger objects are copied in parts.
+_COPY_LIMIT = 5 * 1024**3
+
+_LOADER = botocore.loaders.create_loader()
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_ACCESS_CODES = {
+    "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AccountProblem",
+}  # fmt: skip
+_NETWORK_ERRORS = (EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError, ReadTimeoutError)
+# Failures while reading a response body happen after botocore's retry loop has returned.
+_STREAM_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError)
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """``(bucket, key prefix)`` of ``s3://bucket/some/prefix``; the prefix is "" or ends in "/"."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or parsed.query or parsed.fragment or parsed.params:
+        raise BadInputError(f"an S3 store URI looks like s3://bucket/prefix, not {uri!r}")
+    bucket = parsed.netloc
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise BadInputError(f"{bucket!r} in {uri!r} is not a valid S3 bucket name")
+    prefix = parsed.path.strip("/")
+    if prefix:
+        check_name(prefix)
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def _create_only(params: dict, **_: Any) -> None:
+    # Every object this backend writes is create-only; see the module docstring.
+    params.setdefault("IfNoneMatch", "*")
+
+
+def _code(exc: ClientError) -> tuple[str, int | None]:
+    error = exc.response.get("Error", {})
+    return str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _is_missing(exc: Exception) -> bool:
+    if not isinstance(exc, ClientError):
+        return False
+    code, status = _code(exc)
+    return code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchBucket")
+
+
+class S3ObjectStore(ObjectStore):
+    """An ObjectStore over a key prefix of an existing S3 bucket."""
+
+    def __init__(self, uri: str, *, create: bool = True, endpoint_url: str | None = None) -> None:
+        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.client = self._new_client(endpoint_url)
+        # What boto3 resolved (endpoint_url=, AWS_ENDPOINT_URL, or AWS for the region).
+        self.endpoint: str = self.client.meta.endpoint_url
+        for operation in ("PutObject", "CompleteMultipartUpload"):
+            self.client.meta.events.register(f"before-parameter-build.s3.{operation}", _create_only)
+        self._endpoint_url = endpoint_url
+        self._copier = None
+        self._copier_lock = threading.Lock()
+        self.transfer_config = TransferConfig(
+            multipart_threshold=knobs.s3_multipart_threshold(),
+            multipart_chunksize=knobs.s3_part_size(),
+            max_concurrency=knobs.s3_part_threads(),
+            preferred_transfer_client="classic",  # the hook above lives on this client
+        )
+        self._open(create)
+
+    @staticmethod
+    def _new_client(endpoint_url: str | None):
+        config = Config(
+            retries={"mode": "standard", "total_max_attempts": knobs.s3_max_attempts()},
+            # io_threads objects at once, each with up to s3_part_threads parts in flight.
+            max_pool_connections=knobs.io_threads() * knobs.s3_part_threads() + 4,
+        )
+        # A session per store (boto3's default session is not safe to share across threads),
+        # sharing one loader: parsing the S3 service model costs 0.25 s per client otherwise.
+        session = botocore.session.get_session()
+        session.register_component("data_loader", _LOADER)
+        return boto3.session.Session(botocore_session=session).client(
+            "s3", endpoint_url=endpoint_url, config=config
+        )
+
+    def _open(self, create: bool) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            code, status = _code(exc)
+            if status == 404 or code == "NoSuchBucket":
+                raise NotFoundError(
+                    f"bucket {self.bucket} does not exist at {self.endpoint} "
+                    "(ckptstore never creates buckets: create it first)"
+                ) from None
+            raise self._error("open", "", exc) from None
+        except BotoCoreError as exc:
+            raise self._error("open", "", exc) from None
+        if not create and not self._call("open", "", self._any_object):
+            raise NotFoundError(f"no store at {self.uri}")
+
+    def _any_object(self) -> bool:
+        return self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)["KeyCount"] > 0
+
+    # -- errors ----------------------------------------------------------------------------
+
+    def _error(self, action: str, name: str, exc: Exception) -> CkptStoreError:
+        where = f"{self.uri}/{name}" if name else self.uri
+        if isinstance(exc, ClientError):
+            code, status = _code(exc)
+            message = exc.response.get("Error", {}).get("Message") or code
+            if code == "NoSuchBucket":
+                return NotFoundError(f"bucket {self.bucket} does not exist at {self.endpoint}")
+            if _is_missing(exc):
+                return NotFoundError(f"object {name} is missing from {self.uri}")
+            if status == 403 or code in _ACCESS_CODES:
+                return StorageError(
+                    f"cannot {action} {where}: access denied ({code}: {message}); "
+                    "check the AWS credentials and the bucket policy"
+                )
+            if status is not None and (status >= 500 or status == 429 or code in ("SlowDown", "Throttling")):
+                return StorageError(
+                    f"cannot {action} {where}: {code} ({message}), still failing after "
+                    f"{knobs.s3_max_attempts()} attempts",
+                    transient=True,
+                )
+            return StorageError(f"cannot {action} {where}: {code} ({message})")
+        if isinstance(exc, NoCredentialsError):
+            return StorageError(
+                f"cannot {action} {where}: no AWS credentials found (environment, ~/.aws, or an instance role)"
+            )
+        if isinstance(exc, _NETWORK_ERRORS + _STREAM_ERRORS):
+            return StorageError(
+                f"cannot {action} {where}: {self.endpoint} unreachable after "
+                f"{knobs.s3_max_attempts()} attempts ({exc})",
+                transient=True,
+            )
+        return StorageError(f"cannot {action} {where}: {exc}")
+
+    def _call(self, action: str, name: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(action, name, exc) from None
+
+    def _key(self, name: str) -> str:
+        return self.prefix + check_name(name)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def put_if_absent(self, name: str, data: bytes | memoryview) -> bool:
+        key = self._key(name)
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size >= knobs.s3_multipart_threshold():
+            if self._head(name, key) is not None:
+                self.touch(name)
+                return False
+
+            def put() -> None:
+                # A fresh reader per attempt: a failed attempt may have consumed the last one.
+                self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=self.transfer_config)
+        else:
+            body = bytes(data)
+
+            def put() -> None:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+
+        created = self._put_create_only(name, put)
+        if not created:
+            self.touch(name)
+        return created
+
+    def _put_create_only(self, name: str, put: Callable[[], None]) -> bool:
+        attempts = knobs.s3_max_attempts()
+        for attempt in range(attempts):
+            try:
+                put()
+                return True
+            except ClientError as exc:
+                code, status = _code(exc)
+                if status == 412 or code == "PreconditionFailed":
+                    return False
+                if (status == 409 or code == "ConditionalRequestConflict") and attempt + 1 < attempts:
+                    time.sleep(random.uniform(0, 0.05 * 2**attempt))
+                    continue
+                raise self._error("write", name, exc) from None
+            except BotoCoreError as exc:
+                raise self._error("write", name, exc) from None
+        raise AssertionError("unreachable")
+
+    def touch(self, name: str) -> bool:
+        # S3 has no utime: an object's LastModified changes only when it is written. Copying an
+        # object onto itself with new metadata (MetadataDirective=REPLACE; S3 refuses a self-copy
+        # that changes nothing) rewrites it server-side with a fresh LastModified, which is the
+        # time gc's grace period reads, so no second place to look up freshness is needed. The
+        # copy costs a server-side rewrite, so objects freshened recently enough are left alone.
+        key = self._key(name)
+        head = self._head(name, key)
+        if head is None:
+            return False
+        if time.time() - head["LastModified"].timestamp() < knobs.s3_freshen_after():
+            return True
+        stamp = {"ckptstore-freshened": f"{time.time():.3f}"}
+        try:
+            if head["ContentLength"] <= _COPY_LIMIT:
+                self.client.copy_object(
+                    Bucket=self.bucket, Key=key, CopySource={"Bucket": self.bucket, "Key": key},
+                    MetadataDirective="REPLACE", Metadata=stamp,
+                )  # fmt: skip
+            else:
+                self._big_copier().copy(
+                    {"Bucket": self.bucket, "Key": key}, self.bucket, key,
+                    ExtraArgs={"MetadataDirective": "REPLACE", "Metadata": stamp},
+                    Config=self.transfer_config,
+                )  # fmt: skip
+        except (ClientError, BotoCoreError) as exc:
+            if _is_missing(exc):
+                return False  # deleted (by gc) since the HEAD: the caller writes it again
+            raise self._error("freshen", name, exc) from None
+        return True
+
+    def _big_copier(self):
+        # A multipart copy completes with CompleteMultipartUpload, which the create-only hook
+        # would make fail (the key exists): it needs a client without that hook.
+        with self._copier_lock:
+            if self._copier is None:
+                self._copier = self._new_client(self._endpoint_url)
+            return self._copier
+
+    def delete(self, name: str) -> None:
+        key = self._key(name)
+        self._call("delete", name, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _head(self, name: str, key: str) -> dict | None:
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=key)
+        except (ClientError, BotoCoreError) as exc:
+            if _is_missing(exc):
+                return None
+            raise self._error("read", name, exc) from None
+
+    def info(self, name: str) -> ObjectInfo:
+        head = self._head(name, self._key(name))
+        if head is None:
+            raise NotFoundError(f"object {name} is missing from {self.uri}")
+        return ObjectInfo(name, head["ContentLength"], head["LastModified"].timestamp())
+
+    def get(self, name: str) -> bytes:
+        # The first request asks for up to multipart_threshold bytes: smaller objects (nearly
+        # all) arrive in one GET; the reply's Content-Range gives the size of larger ones,
+        # whose remaining ranges are then fetched in parallel, pinned to the same ETag.
+        key = self._key(name)
+        threshold = knobs.s3_multipart_threshold()
+        try:
+            first, total, etag = self._get_range(key, 0, threshold)
+        except ClientError as exc:
+            if _code(exc)[0] != "InvalidRange":
+                raise self._error("read", name, exc) from None
+            # An empty object has no byte 0 to ask for.
+            first, total, etag = self._call("read", name, lambda: self._get_range(key, None, None))
+        except BotoCoreError as exc:
+            raise self._error("read", name, exc) from None
+        if total <= len(first):
+            return first
+        buffer = bytearray(total)
+        buffer[: len(first)] = first
+        part = max(1, knobs.s3_part_size())
+        starts = range(len(first), total, part)
+
+        def fetch(start: int) -> None:
+            data, _, _ = self._get_range(key, start, min(part, total - start), etag)
+            buffer[start : start + len(data)] = data
+
+        with ThreadPoolExecutor(min(len(starts), knobs.s3_part_threads())) as pool:
+            self._call("read", name, lambda: list(pool.map(fetch, starts)))
+        return bytes(buffer)
+
+    def _get_range(
+        self, key: str, start: int | None, length: int | None, etag: str | None = None
+    ) -> tuple[bytes, int, str]:
+        """``(bytes, object size, ETag)`` of ``length`` bytes from ``start`` (the whole object for None)."""
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
+        if start is not None and length is not None:
+            args["Range"] = f"bytes={start}-{start + length - 1}"
+        if etag is not None:
+            args["IfMatch"] = etag
+        attempts = knobs.s3_max_attempts()
+        for attempt in range(attempts):
+            response = self.client.get_object(**args)
+            try:
+                data = response["Body"].read()
+            except _STREAM_ERRORS:
+                # botocore retried the request, not the body that broke off afterwards.
+                if attempt + 1 == attempts:
+                    raise
+                time.sleep(random.uniform(0, 0.05 * 2**attempt))
+                continue
+            content_range = response.get("ContentRange")
+            # "bytes 0-99/12345"; absent when the server sent the whole object.
+            total = int(content_range.rsplit("/", 1)[1]) if content_range else len(data)
+            return data, total, response["ETag"]
+        raise AssertionError("unreachable")
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if prefix.startswith("/"):
+            raise BadInputError(f"invalid object name prefix {prefix!r}")
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix
+        )
+        try:
+            for page in pages:
+                for item in page.get("Contents", []):
+                    name = item["Key"][len(self.prefix) :]
+                    if not name or name.endswith("/"):
+                        continue  # "folder" placeholders some tools create
+                    yield ObjectInfo(name, item["Size"], item["LastModified"].timestamp())
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error("list", prefix, exc) from None
+
+    def __repr__(self) -> str:
+        return f"S3ObjectStore({self.uri!r}, endpoint={self.endpoint!r})"

@@ -1,0 +1,128 @@
+"""The catalog as an index of manifests: ``ckptstore catalog rebuild`` and syncing on open."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+
+import ckptstore
+from ckptstore.catalog_sync import cache_path
+from ckptstore.cli import main
+from ckptstore.manifest import manifest_name
+from tools.engines import batches, build_engine, train
+
+DATA = batches(4)
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def commit_three_steps(store) -> None:
+    engine = build_engine("gpt2", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    store.commit(engine, step=1)
+    train(engine, DATA[1:2])
+    store.commit(engine, step=2, layers=["transformer.h.1"])
+    train(engine, DATA[2:3])
+    store.commit(engine, step=3)
+
+
+def test_catalog_rebuild_restores_every_step_of_an_s3_store(s3, capsys, tmp_path):
+    store = ckptstore.open(s3.uri())
+    commit_three_steps(store)
+    log, sources = store.log(), store.sources(2)
+    index = cache_path(store.objects)
+    store.close()
+    shutil.rmtree(index.parent)
+
+    code, out, _ = run_cli(capsys, "--store", s3.uri(), "catalog", "rebuild")
+    assert code == 0
+    assert out.strip() == f"rebuilt the catalog of {s3.uri()}: 3 step(s): 1, 2, 3"
+    assert index.exists()
+    rebuilt = ckptstore.open(s3.uri(), create=False)
+    assert rebuilt.log() == log and rebuilt.sources(2) == sources
+    code, out, _ = run_cli(capsys, "--store", s3.uri(), "log", "--json")
+    assert [json.loads(line)["step"] for line in out.splitlines()] == [1, 2, 3]
+    rebuilt.materialize(2, tmp_path / "out")
+
+
+def test_catalog_rebuild_restores_a_lost_local_catalog(tmp_path, capsys):
+    store = ckptstore.open(tmp_path / "store")
+    commit_three_steps(store)
+    log = store.log()
+    store.close()
+    (tmp_path / "store" / "catalog.db").write_bytes(b"garbage" * 1000)
+    with pytest.raises(ckptstore.CorruptError):
+        ckptstore.open(tmp_path / "store")
+
+    code, out, _ = run_cli(capsys, "--store", tmp_path / "store", "catalog", "rebuild", "--json")
+    assert code == 0
+    assert json.loads(out)["steps"] == [1, 2, 3]
+    rebuilt = ckptstore.open(tmp_path / "store")
+    assert rebuilt.log() == log
+    assert rebuilt.verify().ok
+    rebuilt.materialize(3, tmp_path / "out")
+
+
+def test_rebuild_leaves_out_and_reports_unreadable_manifests_and_steps_missing_blobs(s3, capsys):
+    store = ckptstore.open(s3.uri())
+    commit_three_steps(store)
+    step1 = json.loads(store.objects.get(manifest_name(1)))
+    only_in_step1 = {key for key, _, _ in step1["blobs"]} - store.catalog.blobs_of_steps([2, 3])
+    for key in only_in_step1:
+        store.objects.delete(f"blobs/{key[:2]}/{key}")
+    s3.client.put_object(Bucket=s3.bucket, Key="run/" + manifest_name(3), Body=b"{not json")
+
+    code, out, _ = run_cli(capsys, "--store", s3.uri(), "catalog", "rebuild")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0].startswith(f"problem: unreadable manifest {manifest_name(3)}: malformed manifest")
+    assert lines[1] == "problem: step 1 left out: blobs it needs are missing"
+    assert lines[2] == f"rebuilt the catalog of {s3.uri()}: 1 step(s): 2"
+
+
+def test_opening_an_s3_store_imports_steps_committed_elsewhere_since(s3, monkeypatch, tmp_path):
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "writer"))
+    writer = ckptstore.open(s3.uri())
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "reader"))
+    reader = ckptstore.open(s3.uri())
+    assert reader.steps() == []
+    commit_three_steps(writer)
+    assert reader.steps() == []  # an open store does not poll the bucket
+    assert ckptstore.open(s3.uri()).steps() == [1, 2, 3]
+    assert cache_path(reader.objects).is_relative_to(tmp_path / "reader")
+
+
+def test_processes_sharing_one_cache_can_import_the_same_steps_at_once(s3, monkeypatch, tmp_path):
+    # The ranks of a job on one node open the store together and share ~/.cache/ckptstore.
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "writer"))
+    commit_three_steps(ckptstore.open(s3.uri()))
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "node"))
+    barrier = threading.Barrier(6)
+    seen, errors = [], []
+
+    def open_store():
+        barrier.wait()
+        try:
+            seen.append(ckptstore.open(s3.uri()).steps())
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_store) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert seen == [[1, 2, 3]] * 6

@@ -1,0 +1,68 @@
+"""Auxiliary files (config, tokenizer) are kept with a step and copied out by materialize."""
+
+import pytest
+
+import ckptstore
+from ckptstore.errors import BadInputError
+from ckptstore.manifest import Manifest, manifest_name
+from tools.engines import batches, build_engine, train
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(1))
+    return engine
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_files_round_trip_are_inherited_and_stored_once(tmp_path, engine):
+    config = write(tmp_path / "src" / "config.json", '{"hidden": 32}')
+    tokenizer = write(tmp_path / "src" / "tok" / "tokenizer.json", '{"vocab": {}}')
+    store = ckptstore.open(tmp_path / "store")
+    store.commit(engine, step=1, files=[config, tokenizer])
+    store.commit(engine, step=2, layers=[])  # no files given: step 1's are kept
+    store.commit(engine, step=3, files=tmp_path / "src")  # a directory: relative paths
+    store.commit(engine, step=4, files=[])
+
+    assert [f.path for f in store.files(1)] == ["config.json", "tokenizer.json"]
+    assert store.files(2) == store.files(1)
+    assert [f.path for f in store.files(3)] == ["config.json", "tok/tokenizer.json"]
+    assert store.files(4) == []
+    assert len(list(store.objects.list("files/"))) == 2  # identical contents stored once
+    manifest = Manifest.decode(store.objects.get(manifest_name(3)))
+    assert [(f.path, f.size) for f in manifest.files] == [("config.json", 14), ("tok/tokenizer.json", 13)]
+
+    out = store.materialize(2, tmp_path / "out2")
+    assert (out / "config.json").read_text() == '{"hidden": 32}'
+    assert (out / "tokenizer.json").read_text() == '{"vocab": {}}'
+    assert (out / "latest").read_text() == "global_step2"
+    out = store.materialize(3, tmp_path / "out3")
+    assert (out / "tok" / "tokenizer.json").read_text() == '{"vocab": {}}'
+    assert not any(p.name.endswith(".json") for p in store.materialize(4, tmp_path / "out4").iterdir())
+
+
+def test_bad_files_are_refused_before_anything_is_stored(tmp_path, engine):
+    store = ckptstore.open(tmp_path / "store")
+    a = write(tmp_path / "a" / "config.json", "a")
+    b = write(tmp_path / "b" / "config.json", "b")
+    with pytest.raises(BadInputError, match="two files would be stored as config.json"):
+        store.commit(engine, step=1, files=[a, b])
+    with pytest.raises(BadInputError, match="is not a file or directory"):
+        store.commit(engine, step=1, files=[tmp_path / "missing.json"])
+    with pytest.raises(BadInputError, match="latest would replace part of the DeepSpeed checkpoint"):
+        store.commit(engine, step=1, files=[write(tmp_path / "latest", "x")])
+    assert store.steps() == [] and not list(store.objects.list("blobs/"))
+
+
+def test_oversized_files_are_refused(tmp_path, engine, monkeypatch):
+    monkeypatch.setenv("CKPTSTORE_MAX_FILE_BYTES", "4")
+    with pytest.raises(BadInputError, match="more than the 4 allowed"):
+        ckptstore.open(tmp_path / "store").commit(
+            engine, step=1, files=[write(tmp_path / "big.txt", "12345")]
+        )

@@ -1,0 +1,187 @@
+"""The object-store contract, passed by every backend: a local directory and S3 (loopback moto).
+
+Knobs force S3's multipart path at a few MiB, so large-object edge cases show up here too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from ckptstore.errors import BadInputError, NotFoundError
+from ckptstore.objects import ObjectStore, open_objects
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class Backend:
+    kind: str
+    objects: ObjectStore
+    open_missing: Callable[[], ObjectStore]  # open a store that does not exist, create=False
+    leave_half_written: Callable[[str, bytes], None]  # an interrupted write of ``name``
+    make_old: Callable[[str], None]  # after this, freshening must move the object's time forward
+    atomic_create: bool  # exactly one of several concurrent creators is told it created the object
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request, tmp_path, monkeypatch) -> Backend:
+    monkeypatch.setenv("CKPTSTORE_S3_MULTIPART_THRESHOLD", str(1 * MIB))
+    monkeypatch.setenv("CKPTSTORE_S3_PART_SIZE", str(5 * MIB))  # S3's (and boto3's) minimum part
+    monkeypatch.setenv("CKPTSTORE_S3_FRESHEN_AFTER", "0")
+    if request.param == "local":
+        root = tmp_path / "store"
+
+        def leave_half_written(name: str, data: bytes) -> None:
+            path = root.joinpath(*name.split("/"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_name(f"{path.name}.1234.tmp").write_bytes(data)
+
+        def make_old(name: str) -> None:
+            import os
+
+            os.utime(root.joinpath(*name.split("/")), (1000, 1000))
+
+        return Backend(
+            "local", open_objects(str(root)), lambda: open_objects(str(tmp_path / "nope"), create=False),
+            leave_half_written, make_old, atomic_create=True,
+        )  # fmt: skip
+
+    s3 = request.getfixturevalue("s3")
+    objects = open_objects(s3.uri("store"))
+
+    def leave_half_written(name: str, data: bytes) -> None:
+        # A multipart upload that never completes: its parts are not an object.
+        key = f"store/{name}"
+        upload = s3.client.create_multipart_upload(Bucket=s3.bucket, Key=key)["UploadId"]
+        s3.client.upload_part(Bucket=s3.bucket, Key=key, UploadId=upload, PartNumber=1, Body=data)
+
+    def make_old(name: str) -> None:
+        time.sleep(1.1)  # S3 times have one-second resolution and cannot be set
+
+    # moto checks If-None-Match and then writes, without a lock: two racing creators can both
+    # be told they created the object (AWS S3 tells exactly one). The object is whole either way.
+    return Backend(
+        "s3", objects, lambda: open_objects(s3.uri("nope"), create=False), leave_half_written, make_old,
+        atomic_create=False,
+    )  # fmt: skip
+
+
+def test_put_is_create_only_and_get_returns_the_bytes(backend):
+    objects = backend.objects
+    assert objects.put_if_absent("blobs/ab/abc", b"one") is True
+    assert objects.put_if_absent("blobs/ab/abc", b"two") is False
+    assert objects.get("blobs/ab/abc") == b"one"
+    assert objects.info("blobs/ab/abc").size == 3
+    assert objects.exists("blobs/ab/abc")
+
+
+def test_memoryviews_and_empty_objects_round_trip(backend):
+    objects = backend.objects
+    assert objects.put_if_absent("blobs/ee/view", memoryview(b"abcdef")[1:4]) is True
+    assert objects.get("blobs/ee/view") == b"bcd"
+    assert objects.put_if_absent("blobs/ee/empty", b"") is True
+    assert objects.get("blobs/ee/empty") == b""
+    assert objects.info("blobs/ee/empty").size == 0
+
+
+def test_missing_objects_raise_not_found(backend):
+    objects = backend.objects
+    with pytest.raises(NotFoundError):
+        objects.get("blobs/no/such")
+    with pytest.raises(NotFoundError):
+        objects.info("blobs/no/such")
+    assert not objects.exists("blobs/no/such")
+    assert objects.touch("blobs/no/such") is False
+    objects.delete("blobs/no/such")  # deleting a missing object is fine
+
+
+def test_deleted_objects_are_gone(backend):
+    objects = backend.objects
+    objects.put_if_absent("blobs/ff/gone", b"x")
+    objects.delete("blobs/ff/gone")
+    assert not objects.exists("blobs/ff/gone")
+    assert list(objects.list("blobs/")) == []
+    assert objects.put_if_absent("blobs/ff/gone", b"y") is True  # and can be written again
+
+
+def test_in_flight_writes_are_never_listed(backend):
+    backend.objects.put_if_absent("blobs/ab/done", b"x")
+    backend.leave_half_written("blobs/ab/half", b"partial")
+    assert [o.name for o in backend.objects.list("blobs/")] == ["blobs/ab/done"]
+    assert not backend.objects.exists("blobs/ab/half")
+
+
+def test_listing_gives_every_object_under_a_prefix_in_name_order_with_sizes(backend):
+    objects = backend.objects
+    for name, data in [("blobs/cd/2", b"22"), ("blobs/ab/1", b"1"), ("manifests/000000000003.json", b"{}")]:
+        objects.put_if_absent(name, data)
+    assert [(o.name, o.size) for o in objects.list("blobs/")] == [("blobs/ab/1", 1), ("blobs/cd/2", 2)]
+    assert [o.name for o in objects.list("blobs/a")] == ["blobs/ab/1"]  # a prefix of names, not folders
+    assert [o.name for o in objects.list("manifests/")] == ["manifests/000000000003.json"]
+    assert {o.name for o in objects.list()} >= {"blobs/ab/1", "blobs/cd/2", "manifests/000000000003.json"}
+    assert list(objects.list("nothing/")) == []
+    assert all(abs(o.mtime - time.time()) < 600 for o in objects.list("blobs/"))
+
+
+def test_names_that_escape_the_store_are_refused(backend):
+    for bad in ("../x", "/etc/passwd", "a//b", "blobs/x.tmp", "", "a/./b"):
+        with pytest.raises(BadInputError):
+            backend.objects.put_if_absent(bad, b"x")
+        with pytest.raises(BadInputError):
+            backend.objects.get(bad)
+
+
+def test_two_writers_of_the_same_object_both_succeed_with_one_copy(backend):
+    objects = backend.objects
+    results = []
+    barrier = threading.Barrier(8)
+
+    def write():
+        barrier.wait()
+        results.append(objects.put_if_absent("blobs/cc/same", b"content"))
+
+    threads = [threading.Thread(target=write) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8  # nobody failed
+    assert results.count(True) == 1 if backend.atomic_create else results.count(True) >= 1
+    assert objects.get("blobs/cc/same") == b"content"
+    assert [o.name for o in objects.list("blobs/")] == ["blobs/cc/same"]
+
+
+def test_reusing_or_touching_an_object_freshens_its_time(backend):
+    objects = backend.objects
+    objects.put_if_absent("blobs/dd/old", b"x")
+    backend.make_old("blobs/dd/old")
+    before = objects.info("blobs/dd/old").mtime
+    assert objects.put_if_absent("blobs/dd/old", b"x") is False
+    reused = objects.info("blobs/dd/old").mtime
+    assert reused > before
+    backend.make_old("blobs/dd/old")
+    before = objects.info("blobs/dd/old").mtime
+    assert objects.touch("blobs/dd/old") is True
+    assert objects.info("blobs/dd/old").mtime > before
+    assert objects.get("blobs/dd/old") == b"x"
+
+
+def test_large_objects_round_trip_and_stay_create_only(backend):
+    # Above the multipart threshold the fixture sets: two parts on S3, one file locally.
+    data = bytes(range(256)) * (6 * MIB // 256) + b"tail"
+    assert backend.objects.put_if_absent("blobs/99/big", data) is True
+    assert backend.objects.get("blobs/99/big") == data
+    assert backend.objects.put_if_absent("blobs/99/big", b"other") is False
+    assert backend.objects.put_if_absent("blobs/99/big", data[::-1]) is False
+    assert backend.objects.info("blobs/99/big").size == len(data)
+    assert [o.name for o in backend.objects.list("blobs/")] == ["blobs/99/big"]
+
+
+def test_opening_a_missing_store_without_create_is_not_found(backend):
+    with pytest.raises(NotFoundError, match="no store at"):
+        backend.open_missing()

@@ -1,0 +1,210 @@
+"""S3 stores end to end: the bucket alone is the store, and any machine with its URI restores.
+
+A "machine" here is a catalog cache (CKPTSTORE_CACHE) that starts empty, as on a fresh node.
+The bucket lives on a loopback moto server; faults are injected into botocore's request path.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import ckptstore
+from ckptstore.errors import ConflictError, NotFoundError, StorageError
+from ckptstore.manifest import manifest_name
+from tests.dist_worker import matches_store
+from tests.moto_s3 import inject_faults
+from tests.test_many_ranks import torchrun
+from tools.engines import batches, build_engine, train
+
+DATA = batches(6)
+
+
+@pytest.fixture
+def machine(monkeypatch, tmp_path):
+    """Switch to the machine called ``name``: its own, initially empty, catalog cache."""
+
+    def use(name: str):
+        monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / f"cache-{name}"))
+        return tmp_path / f"cache-{name}"
+
+    return use
+
+
+def manifests(s3) -> list[str]:
+    return [key for key in s3.keys("run/manifests/")]
+
+
+def test_a_step_committed_on_one_machine_resumes_bit_exactly_on_another(s3, machine, tmp_path):
+    cache_a = machine("a")
+    store = ckptstore.open(s3.uri())
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0)
+    train(engine, DATA[:3])
+    store.commit(engine, step=3)
+    uninterrupted = train(engine, DATA[3:])
+    store.commit(engine, step=6, layers=["model.layers.1"])
+    log_a = store.log()
+    store.close()
+    shutil.rmtree(cache_a)  # machine A is gone: the bucket alone must suffice
+
+    machine("b")
+    elsewhere = ckptstore.open(s3.uri(), create=False)
+    assert elsewhere.steps() == [3, 6]
+    assert elsewhere.sources(6)["model.layers.1"] == 6 and elsewhere.sources(6)["model.layers.0"] == 3
+    assert elsewhere.log() == log_a  # even the bytes each step added
+    assert elsewhere.verify().ok
+    elsewhere.materialize(3, tmp_path / "out")
+    resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=99)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    assert resumed.global_steps == 3
+    assert train(resumed, DATA[3:]) == uninterrupted
+
+
+def test_two_ranks_commit_into_s3_and_another_machine_resumes_exactly(s3, machine, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTSTORE_STORE", s3.uri())  # the torchrun children inherit the endpoint too
+    for rank, observed in enumerate(torchrun("s3", tmp_path)):
+        assert observed["steps"] == [3, 6], rank  # each rank's own index knows both steps
+        assert observed["shared_cache_steps"] == [3, 6], rank
+        assert observed["sources"]["model.layers.1"] == 6 and observed["sources"]["model.layers.0"] == 3
+        assert observed["loaded_step"] == 3, rank
+        assert observed["resumed"] == observed["reference"], rank
+    machine("c")
+    store = ckptstore.open(s3.uri(), create=False)
+    assert store.steps() == [3, 6]
+    store.materialize(6, tmp_path / "w1", world_size=1)
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=99, num_layers=3)
+    engine.load_checkpoint(str(tmp_path / "w1"))
+    assert matches_store(engine, store, 6) == []
+
+
+@pytest.fixture
+def small_engine():
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, DATA[:2])
+    return engine
+
+
+def test_the_manifest_is_the_commit_point(s3, machine, small_engine, monkeypatch):
+    machine("a")
+    store = ckptstore.open(s3.uri())
+    # Dies before its manifest: not a step anywhere; its blobs are orphans for gc.
+    inject_faults(
+        store.objects.client, "PutObject", (403, "AccessDenied"), when=lambda r: "/manifests/" in r.url
+    )
+    with pytest.raises(StorageError):
+        store.commit(small_engine, step=2)
+    assert store.steps() == [] and manifests(s3) == []
+    assert s3.keys("run/blobs/")
+    # Dies after its manifest, before the local index has it: committed, seen on every open.
+    store = ckptstore.open(s3.uri())
+
+    def crash(**_):
+        raise RuntimeError("killed after the manifest")
+
+    monkeypatch.setattr(store.catalog, "record_step", crash)
+    with pytest.raises(RuntimeError):
+        store.commit(small_engine, step=2)
+    assert manifests(s3) == ["run/" + manifest_name(2)]
+    assert ckptstore.open(s3.uri()).steps() == [2]
+    machine("b")
+    assert ckptstore.open(s3.uri()).steps() == [2]
+
+
+def test_transient_faults_during_commit_and_materialize_are_recovered(s3, machine, tmp_path):
+    machine("a")
+    store = ckptstore.open(s3.uri())
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    train(engine, DATA[:2])
+    client = store.objects.client
+    injected = [
+        inject_faults(client, "PutObject", "connection"),
+        inject_faults(client, "PutObject", (500, "InternalError")),
+        inject_faults(client, "PutObject", (503, "SlowDown")),
+        inject_faults(client, "PutObject", (409, "ConditionalRequestConflict")),
+        inject_faults(client, "HeadObject", (503, "SlowDown")),
+    ]
+    store.commit(engine, step=2)
+    uninterrupted = train(engine, DATA[2:4])
+    assert all(fault.answered == 1 for fault in injected)
+
+    machine("b")
+    elsewhere = ckptstore.open(s3.uri())
+    client = elsewhere.objects.client
+    injected = [
+        inject_faults(client, "GetObject", "connection"),
+        inject_faults(client, "GetObject", (500, "InternalError")),
+        inject_faults(client, "GetObject", (503, "SlowDown")),
+    ]
+    elsewhere.materialize(2, tmp_path / "out")
+    assert all(fault.answered == 1 for fault in injected)
+    resumed = build_engine("llama", zero_stage=1, dtype="fp32", seed=99, num_layers=2)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    assert train(resumed, DATA[2:4]) == uninterrupted
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "says"),
+    [
+        ((403, "AccessDenied"), StorageError, "access denied"),
+        ((403, "InvalidAccessKeyId"), StorageError, "check the AWS credentials"),
+        ((404, "NoSuchBucket"), NotFoundError, "does not exist"),
+    ],
+)
+def test_permanent_faults_fail_the_commit_with_one_clear_error_and_record_nothing(
+    s3, machine, small_engine, fault, error, says
+):
+    machine("a")
+    store = ckptstore.open(s3.uri())
+    inject_faults(store.objects.client, "PutObject", fault, times=None)
+    with pytest.raises(error, match=says) as raised:
+        store.commit(small_engine, step=2)
+    assert "\n" not in str(raised.value) and s3.bucket in str(raised.value)
+    assert store.steps() == [] and manifests(s3) == []
+    machine("b")
+    assert ckptstore.open(s3.uri()).steps() == []
+
+
+def test_a_missing_bucket_fails_open_and_leaves_nothing_behind(s3, machine):
+    cache = machine("a")
+    with pytest.raises(NotFoundError, match="bucket ckpt-no-such-bucket does not exist"):
+        ckptstore.open("s3://ckpt-no-such-bucket/run")
+    assert not cache.exists()
+
+
+def test_a_step_committed_elsewhere_since_open_is_never_overwritten(s3, machine, small_engine):
+    machine("a")
+    first = ckptstore.open(s3.uri())
+    machine("b")
+    second = ckptstore.open(s3.uri())
+    first.commit(small_engine, step=5)
+    committed = s3.client.get_object(Bucket=s3.bucket, Key="run/" + manifest_name(5))["Body"].read()
+    train(small_engine, DATA[2:3])
+    with pytest.raises(ConflictError, match="step 5 is already committed"):
+        second.commit(small_engine, step=5)
+    assert s3.client.get_object(Bucket=s3.bucket, Key="run/" + manifest_name(5))["Body"].read() == committed
+
+
+def test_a_step_dropped_on_another_machine_disappears_on_the_next_open(s3, machine, small_engine, tmp_path):
+    machine("a")
+    store = ckptstore.open(s3.uri())
+    store.commit(small_engine, step=2)
+    train(small_engine, DATA[2:3])
+    store.commit(small_engine, step=3, layers=["model.layers.0"])
+    machine("b")
+    assert ckptstore.open(s3.uri()).steps() == [2, 3]
+    machine("a")
+    store.delete(2)
+    machine("b")
+    elsewhere = ckptstore.open(s3.uri())
+    assert elsewhere.steps() == [3]
+    assert elsewhere.sources(3)["model.layers.1"] == 2  # still inherited
+    elsewhere.materialize(3, tmp_path / "out")
+
+
+def test_a_corrupt_cache_index_is_rebuilt_on_open(s3, machine, small_engine):
+    cache = machine("a")
+    ckptstore.open(s3.uri()).commit(small_engine, step=2)
+    (index,) = cache.rglob("catalog.db")
+    index.write_bytes(b"this is not a database" * 100)
+    assert ckptstore.open(s3.uri()).steps() == [2]
