@@ -15,6 +15,7 @@ own fragments instead).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -77,6 +78,37 @@ def gather_cost(engine) -> float:
             dist.all_gather(out, part.contiguous())
 
     return barrier_timed(gather)[0]
+
+
+class PeakRss:
+    """Peak resident memory above the level at the start of a phase, sampled every 10 ms."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def measure(self, phase: str):
+        import threading
+
+        import psutil
+
+        process = psutil.Process()
+        base = process.memory_info().rss
+        peak = [base]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.01):
+                peak[0] = max(peak[0], process.memory_info().rss)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            yield
+        finally:
+            done.set()
+            sampler.join()
+            self.peaks[phase] = max(self.peaks.get(phase, 0), peak[0] - base)
 
 
 def relaunch(ranks: int) -> int:
@@ -146,17 +178,37 @@ def main() -> int:
     full_times, full_bytes, re_times, re_bytes, part_times, part_bytes, half_times, mat_times = (
         [] for _ in range(8)
     )
+    stall_times, durable_times, parity_bytes = [], [], []
+    rss = PeakRss()
     blocks = [f"model.layers.{i}" for i in range(args.layers)]
     two_of_n = blocks[:: max(1, args.layers // 2)][:2]
     step = 0
     for rep in range(args.reps):
         store = ckptstore.open(work / f"store{rep}")
         step += 1
-        t, report = barrier_timed(store.commit, engine, step)
+        with rss.measure("commit"):
+            t, report = barrier_timed(store.commit, engine, step)
         full_times.append(t), full_bytes.append(report.bytes_added)
         step += 1
         t, report = barrier_timed(store.commit, engine, step)
         re_times.append(t), re_bytes.append(report.bytes_added)
+        # Non-blocking: the training loop waits for the snapshot only; durable once result() returns.
+        # Two in a row: a training run commits again and again, and from the second commit on
+        # the snapshot buffers are reused; the second one is measured.
+        for warm in (False, True):
+            train(engine, data[1 + rep : 2 + rep])
+            step += 1
+            started = time.perf_counter()
+            handle = store.commit(engine, step, blocking=False)
+            stall = time.perf_counter() - started
+            handle.result()
+            if warm:
+                stall_times.append(stall)
+                durable_times.append(time.perf_counter() - started)
+        train(engine, data[1 + rep : 2 + rep])
+        step += 1
+        parity = blocks[(rep + 1) % 2 :: 2]
+        parity_bytes.append(store.commit(engine, step, layers=parity).bytes_added)
         train(engine, data[1 + rep : 2 + rep])
         step += 1
         t, report = barrier_timed(store.commit, engine, step, layers=two_of_n)
@@ -166,7 +218,10 @@ def main() -> int:
         t, _ = barrier_timed(store.commit, engine, step, layers=blocks[rep % 2 :: 2])
         half_times.append(t)
         if rank == 0:
-            mat_times.append(timed(store.materialize, step, work / "mat", force=True, world_size=world)[0])
+            with rss.measure("materialize"):
+                mat_times.append(
+                    timed(store.materialize, step, work / "mat", force=True, world_size=world)[0]
+                )
         store.close()
     gather_time = statistics.median(gather_cost(engine) for _ in range(args.reps)) if world > 1 else None
 
@@ -175,6 +230,9 @@ def main() -> int:
         rows = [
             ("DeepSpeed save_checkpoint", ds_time, 1.0, ds_bytes, 1.0),
             ("full commit", med(full_times), med(full_times) / ds_time, med(full_bytes), med(full_bytes) / ds_bytes),
+            ("non-blocking commit: training stall", med(stall_times), med(stall_times) / ds_time, None, None),
+            ("non-blocking commit: until durable", med(durable_times), med(durable_times) / ds_time, None, None),
+            ("parity commit (half the blocks)", None, None, med(parity_bytes), med(parity_bytes) / ds_bytes),
             ("re-commit, unchanged", med(re_times), med(re_times) / ds_time, med(re_bytes), med(re_bytes) / ds_bytes),
             (f"commit 2 of {args.layers} layers", med(part_times), med(part_times) / ds_time, med(part_bytes),
              med(part_bytes) / ds_bytes),
@@ -194,8 +252,14 @@ def main() -> int:
         for name, seconds, ratio, nbytes, bratio in rows:
             nb = "" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
             br = "" if bratio is None else f"{bratio:.3f}x"
-            print(f"| {name} | {seconds:.2f} | {ratio:.2f}x | {nb} | {br} |")
+            sec = "" if seconds is None else f"{seconds:.2f}"
+            rat = "" if ratio is None else f"{ratio:.2f}x"
+            print(f"| {name} | {sec} | {rat} | {nb} | {br} |")
         print("\ntime ratios are against save_checkpoint, except materialize (against cp -r)")
+        model_bytes = param_count(engine.module) * 2
+        for phase, peak in rss.peaks.items():
+            print(f"peak extra RSS during {phase}: {peak / 1e6:.0f} MB ({peak / ds_bytes:.2f}x the DeepSpeed directory, "
+                  f"{peak / model_bytes:.1f}x the bf16 model)")  # fmt: skip
     dist.barrier()
     if rank == 0 and not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
