@@ -145,6 +145,13 @@ class Catalog:
         """Whether ``step`` is committed."""
         return self.db.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone() is not None
 
+    def inheritor_of(self, step: int) -> int | None:
+        """A committed step that uses layers ``step`` saved, if any (``step`` itself excluded)."""
+        row = self.db.execute(
+            "SELECT min(step) FROM layers WHERE source_step = ? AND step != ?", [step, step]
+        ).fetchone()
+        return row[0]
+
     def latest_step(self, before: int | None = None) -> int | None:
         """The newest committed step (strictly below ``before`` when given), or None."""
         if before is None:

@@ -206,8 +206,7 @@ class Store:
         step = _check_step(step)
         queue = self._background()
         queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
-        if self.catalog.has_step(step):
-            raise ConflictError(f"step {step} is already committed")
+        self._check_new_step(step)
         collective.use_commit_group()  # background collectives must not mix with training's
         snapshot = queue.buffers.copy(extract(engine, client_state))
         return queue.submit(step, lambda: self._commit(None, step, layers, None, files, prepared=snapshot))
@@ -215,6 +214,17 @@ class Store:
     def wait(self) -> CommitReport | None:
         """Wait for a background commit in flight; returns its report, raises its error."""
         return self._queue.wait() if self._queue is not None else None
+
+    def _check_new_step(self, step: int) -> None:
+        if self.catalog.has_step(step):
+            raise ConflictError(f"step {step} is already committed")
+        user = self.catalog.inheritor_of(step)
+        if user is not None:
+            # The dropped step's tensors still serve step `user`; a new step under the same
+            # number would have to replace them.
+            raise ConflictError(
+                f"step {step} was dropped, but step {user} still uses layers it saved; commit under another step number"
+            )
 
     def _background(self) -> CommitQueue:
         if self._queue is None:
@@ -254,8 +264,7 @@ class Store:
         rank_zero = collective.world()[0] == 0
 
         def sample_own_share() -> stats.RankSamples:
-            if self.catalog.has_step(step):
-                raise ConflictError(f"step {step} is already committed")
+            self._check_new_step(step)
             own["files"] = auxfiles.collect(files) if rank_zero and files is not None else None
             own["snapshot"] = snapshot = prepared if prepared is not None else extract(engine, client_state)
             return stats.own_samples(snapshot.pieces, snapshot.description["params"])

@@ -345,3 +345,12 @@ def test_a_commit_reusing_orphans_that_a_running_gc_is_sweeping_keeps_them(tmp_p
     assert store.steps() == [2]
     report = store.verify()  # the commit wrote back what the gc had swept
     assert report.ok and report.orphans == []
+
+
+def test_a_dropped_step_whose_layers_are_inherited_cannot_be_committed_again(composite_store):
+    composite_store.gc(keep_last=1, grace=0)  # drops 2 and 4; step 6 inherits from 4
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=3)
+    with pytest.raises(ckptstore.ConflictError, match="step 6 still uses layers it saved"):
+        composite_store.commit(engine, step=4)
+    composite_store.commit(engine, step=2)  # nothing inherits from step 2 any more
+    assert composite_store.steps() == [2, 6] and composite_store.verify().ok
