@@ -49,7 +49,7 @@ class LocalObjectStore(ObjectStore):
             if not create:
                 raise NotFoundError(f"no store at {self.root}")
             try:
-                self.root.mkdir(parents=True)
+                self.root.mkdir(parents=True, exist_ok=True)  # other ranks may create it at the same moment
             except OSError as exc:
                 raise _storage_error("create store directory", str(self.root), exc) from None
 
