@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,7 @@ class Catalog:
             connection = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
             self.db = Database(connection)
             self.db.execute("PRAGMA busy_timeout=60000")
-            self.db.execute("PRAGMA journal_mode=WAL")
+            self._enable_wal()
             self.db.execute("PRAGMA synchronous=FULL")
             schema = migrations()
             known = {m.name for m in schema._migrations}
@@ -110,6 +111,18 @@ class Catalog:
                     schema.apply(self.db)
         except sqlite3.DatabaseError as exc:
             raise CorruptError(f"catalog {self.path} cannot be opened: {exc}") from None
+
+    def _enable_wal(self) -> None:
+        # Switching a new database to WAL needs an exclusive lock and SQLite answers "locked"
+        # at once, without its busy handler, while another process (another rank) does the same.
+        for attempt in range(200):
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or attempt == 199:
+                    raise
+                time.sleep(0.05)
 
     @contextlib.contextmanager
     def write_transaction(self) -> Iterator[None]:
