@@ -353,27 +353,18 @@ class Catalog:
         with self.write_transaction():
             self.db.execute("DELETE FROM steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
             self.db.execute("DELETE FROM layers WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
-            self.db.execute(
-                """
-                DELETE FROM tensors
-                WHERE step IN (SELECT value FROM json_each(?))
-                  AND NOT EXISTS (
-                      SELECT 1 FROM layers l WHERE l.source_step = tensors.step AND l.layer = tensors.layer
-                  )
-                """,
-                [steps_json],
-            )
-            # Samples go with the tensors they describe: kept while a kept step inherits the layer.
-            self.db.execute(
-                """
-                DELETE FROM samples
-                WHERE step IN (SELECT value FROM json_each(?))
-                  AND NOT EXISTS (
-                      SELECT 1 FROM layers l WHERE l.source_step = samples.step AND l.layer = samples.layer
-                  )
-                """,
-                [steps_json],
-            )
+            # Tensor rows and the samples describing them stay while a kept step inherits the layer.
+            for table in ("tensors", "samples"):
+                self.db.execute(
+                    f"""
+                    DELETE FROM {table}
+                    WHERE step IN (SELECT value FROM json_each(?))
+                      AND NOT EXISTS (
+                          SELECT 1 FROM layers l WHERE l.source_step = {table}.step AND l.layer = {table}.layer
+                      )
+                    """,
+                    [steps_json],
+                )
             self.db.execute("DELETE FROM files WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
 
     def forget_blobs(self, keys: Iterable[str]) -> None:
