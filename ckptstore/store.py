@@ -8,7 +8,6 @@ Write order of a commit: blobs, then the manifest, then the catalog row (the com
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import uuid
@@ -19,8 +18,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from . import catalog_sync, codec, collective, compose, knobs, stats, strategies
 from . import files as auxfiles
@@ -33,14 +30,10 @@ from .layers import layer_of, ordered_layers
 from .manifest import Manifest, manifest_name
 from .objects import ObjectStore, open_objects
 from .progress import progress_bar
+from .reader import StepReader, blob_name
 
 STORE_FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
-
-
-def blob_name(key: str) -> str:
-    """Object name of the blob with content key ``key``."""
-    return f"blobs/{key[:2]}/{key}"
 
 
 @dataclass
@@ -519,7 +512,7 @@ class Store:
         out = Path(out).absolute()
         if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
             raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
-        tensors = self._load_tensors(step, description, sources)
+        tensors = self._reader(step, description, sources)
         files = self.catalog.files(step)
         auxfiles.check_rows(files)
 
@@ -543,10 +536,8 @@ class Store:
         else:
             staging.rename(out)
 
-    def _load_tensors(
-        self, step: int, description: dict, sources: dict[str, int] | None = None
-    ) -> _StepTensors:
-        """Fetch, verify and assemble every tensor ``step`` (or ``sources``) needs; a (name, kind) lookup."""
+    def _reader(self, step: int, description: dict, sources: dict[str, int] | None = None) -> StepReader:
+        """A lazy reader of every tensor ``step`` (or ``sources``) needs."""
         sources = self.catalog.sources(step) if sources is None else sources
         by_source: dict[int, list[str]] = defaultdict(list)
         for layer, source in sources.items():
@@ -557,38 +548,8 @@ class Store:
             raise CorruptError(
                 f"the catalog has no tensors for layers {', '.join(sorted(missing_layers))} of step {step}"
             )
-        decoded = self._fetch({row.blob: row for row in rows}, step)
-        fragments: dict[tuple[str, str], list[TensorRow]] = defaultdict(list)
-        for row in rows:
-            fragments[(row.name, row.kind)].append(row)
-
-        return _StepTensors(description["params"], fragments, decoded)
-
-    def _fetch(self, rows_by_blob: dict[str, TensorRow], step: int) -> dict[str, torch.Tensor]:
-        def fetch(item: tuple[str, TensorRow]) -> tuple[str, torch.Tensor]:
-            key, row = item
-            where = f"{row.layer}: {row.name} {row.kind}, saved at step {row.step}"
-            try:
-                data = self.objects.get(blob_name(key))
-            except NotFoundError:
-                raise NotFoundError(
-                    f"blob {key} ({where}) is missing; step {step} cannot be materialized"
-                ) from None
-            try:
-                return key, codec.decode(data, key)
-            except CorruptError as exc:
-                raise CorruptError(
-                    f"blob {key} ({where}) is corrupt: {exc}; step {step} cannot be materialized"
-                ) from None
-
-        with ThreadPoolExecutor(knobs.io_threads()) as pool:
-            items = progress_bar(
-                pool.map(fetch, rows_by_blob.items()),
-                total=len(rows_by_blob),
-                desc=f"fetch step {step}",
-                unit="blob",
-            )
-            return dict(items)
+        sizes = self.catalog.blob_sizes(row.blob for row in rows)
+        return StepReader(self.objects, description["params"], rows, sizes, step)
 
     # -- retention -------------------------------------------------------------------------
 
@@ -674,59 +635,6 @@ class Store:
                     report.problems.append(BlobProblem(key, problem, users[key]))
         report.orphans = sorted(set(stored) - set(users))
         return report
-
-
-class _StepTensors:
-    """The tensors of one step, fetched and verified, assembled on request for the writer."""
-
-    def __init__(
-        self,
-        params: dict,
-        fragments: dict[tuple[str, str], list[TensorRow]],
-        decoded: dict[str, torch.Tensor],
-    ) -> None:
-        self.params = params
-        self.rows = fragments
-        self.decoded = decoded
-        self.handed_out: set[str] = set()
-
-    def _whole(self, key: str) -> torch.Tensor:
-        # Identical tensors share one blob; each caller gets its own storage, because the
-        # loader may keep the object (torch's Optimizer.load_state_dict does not copy).
-        tensor = self.decoded[key]
-        if key in self.handed_out:
-            return tensor.clone()
-        self.handed_out.add(key)
-        return tensor
-
-    def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
-        """Stored pieces of ``kind`` of ``name`` as (start, tensor), in order."""
-        return [
-            (row.start, self.decoded[row.blob])
-            for row in sorted(self.rows.get((name, kind), []), key=lambda r: r.start)
-        ]
-
-    def __call__(self, name: str, kind: str) -> torch.Tensor | None:
-        parts = sorted(self.rows.get((name, kind), []), key=lambda r: r.start)
-        if not parts:
-            return None
-        first = self.decoded[parts[0].blob]
-        shape = self.params[name]["shape"] if name in self.params else list(first.shape)
-        numel = math.prod(shape)
-        if len(parts) == 1 and parts[0].start == 0 and parts[0].numel == numel:
-            return self._whole(parts[0].blob).reshape(shape)
-        full = torch.empty(numel, dtype=first.dtype)
-        covered = 0
-        for part in parts:
-            if part.start != covered:
-                raise CorruptError(
-                    f"fragments of {name} {kind} do not tile the tensor (gap or overlap at {covered})"
-                )
-            full[part.start : part.start + part.numel] = self.decoded[part.blob].reshape(-1)
-            covered += part.numel
-        if covered != numel:
-            raise CorruptError(f"fragments of {name} {kind} cover {covered} of {numel} elements")
-        return full.reshape(shape)
 
 
 def open(  # noqa: A001 - the public name

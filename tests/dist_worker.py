@@ -38,7 +38,7 @@ def matches_store(engine, store, step) -> list[str]:
 
     from ckptstore.deepspeed.extract import extract
 
-    tensors = store._load_tensors(step, _json.loads(store.catalog.description(step)))
+    tensors = store._reader(step, _json.loads(store.catalog.description(step)))
     wrong = []
     for piece in extract(engine).pieces:
         full = tensors(piece.name, piece.kind)
@@ -123,7 +123,7 @@ def tailor(root: Path) -> dict:
             for step in (1, 2, 3, 4):
                 description = _json.loads(store.catalog.description(step))
                 params = description["params"]
-                tensors = store._load_tensors(step, description)
+                tensors = store._reader(step, description)
                 whole = [Piece(n, "fp32", 0, tensors(n, "fp32")) for n in params if params[n]["trainable"]]
                 expected = stats.own_samples(whole, params)
                 recorded = store.catalog.samples(step, list(params))

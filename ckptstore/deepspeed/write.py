@@ -1,23 +1,32 @@
-"""Step description + whole per-parameter tensors -> DeepSpeed checkpoint files.
+"""Step description + stored per-parameter tensors -> DeepSpeed checkpoint files.
 
 The files follow DeepSpeed's own layout (see shared/DEEPSPEED_FORMAT.md §7) for the flavour the
 engine used, flattened, padded and partitioned for the requested data-parallel world size.
 DeepSpeed objects (loss scalers, ``ZeroStageEnum``, ``fragment_address``) are rebuilt here from
 plain data, so DeepSpeed must be importable when materializing.
+
+The writer streams: it first builds each file's object with placeholder tensors, recording
+which *segments* of which stored tensors fill each placeholder (a ZeRO partition is the
+parameters laid end to end, padded with zeros), saves that skeleton (``torchfile``), then fills
+the bytes parameter by parameter. Memory holds a few parameters' tensors, not the model.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from .. import plainstate
-from ..codec import DTYPES
+from .. import knobs, plainstate
+from ..codec import DTYPES, raw_bytes
 from ..errors import CorruptError
+from ..progress import progress_bar
 from .layout import (
     BASIC,
     BF16_OPTIMIZER,
@@ -29,6 +38,7 @@ from .layout import (
     flat_partition_size,
     zero3_slice,
 )
+from .torchfile import pwrite_all, save_skeleton, storage_bytes
 
 
 class TensorSource(Protocol):
@@ -40,19 +50,48 @@ class TensorSource(Protocol):
     def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
         """Stored pieces as ``(start, tensor)`` in the flattened tensor, possibly not covering it."""
 
+    def dtype(self, name: str, kind: str) -> torch.dtype | None:
+        """The dtype of the stored tensor, known before reading it; None when none is stored."""
+
+
+# A segment kind of its own: the module weight, i.e. the fp32 master cast down and overlaid
+# with any weight fragments stored apart.
+MODULE = "module"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[source_start, source_start + length)`` of the flattened ``kind`` of ``name``,
+    placed at element ``target_start`` of a placeholder."""
+
+    name: str
+    kind: str
+    source_start: int
+    length: int
+    target_start: int
+
+
+class _Placeholders:
+    """Untouched ``torch.empty`` tensors standing in for file contents, with their segments."""
+
+    def __init__(self) -> None:
+        self.segments: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
+
+    def new(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(numel, dtype=dtype)
+        if numel:
+            self.segments[tensor.untyped_storage().data_ptr()] = (tensor, [])
+        return tensor
+
+    def place(self, tensor: torch.Tensor, segment: Segment) -> None:
+        if segment.length:
+            self.segments[tensor.untyped_storage().data_ptr()][1].append(segment)
+
 
 def _fragment_address(numel: int, start: int):
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return fragment_address(numel=numel, start=start)
-
-
-def _pad_to(flat: torch.Tensor, length: int) -> torch.Tensor:
-    if flat.numel() == length:
-        return flat
-    padded = torch.zeros(length, dtype=flat.dtype)
-    padded[: flat.numel()] = flat
-    return padded
 
 
 class _Writer:
@@ -65,6 +104,7 @@ class _Writer:
         self.stage = self.d["zero_stage"]
         self.world_size = world_size
         self.params = self.d["params"]
+        self.holes = _Placeholders()
         if self.flavour == ZERO3 and world_size != self.d["world_size"]:
             self._resplit_zero3_subgroups()
 
@@ -94,14 +134,18 @@ class _Writer:
             group["subgroup_scalars"] = [scalars] * len(subgroups)
             group["subgroup_kinds"] = [kinds] * len(subgroups)
 
-    def tensor(self, name: str, kind: str) -> torch.Tensor:
-        found = self._tensors(name, kind)
-        if found is None:
+    def dtype(self, name: str, kind: str) -> torch.dtype:
+        dtype = self._tensors.dtype(name, kind)
+        if dtype is None:
             raise CorruptError(f"the store holds no {kind} tensor for {name}")
-        return found
+        return dtype
 
-    def optional(self, name: str, kind: str) -> torch.Tensor | None:
-        return self._tensors(name, kind)
+    def stored(self, name: str, kind: str) -> torch.Tensor:
+        """A placeholder for the whole ``kind`` of ``name`` in its own shape."""
+        shape = self.shape(name)
+        placeholder = self.holes.new(shape.numel(), self.dtype(name, kind))
+        self.holes.place(placeholder, Segment(name, kind, 0, shape.numel(), 0))
+        return placeholder.view(shape)
 
     def shape(self, name: str) -> torch.Size:
         return torch.Size(self.params[name]["shape"])
@@ -114,6 +158,7 @@ class _Writer:
             if role == "alias":
                 module[key] = None  # filled below, once the owner is there
             elif role == BUFFER:
+                # buffers are small and their shapes are not in the description: read now
                 module[key] = self.tensor(key, BUFFER)
             elif self.stage == 3:
                 # ZeRO-3 module entries are empty placeholders; the loader refills params from fp32.
@@ -128,13 +173,12 @@ class _Writer:
     def weight(self, name: str) -> torch.Tensor:
         """The module weight: the fp32 master cast down, overlaid with any weight stored apart."""
         if not self.params[name]["trainable"]:
-            return self.tensor(name, WEIGHT)
-        master = self.tensor(name, FP32)
-        weight = master.to(DTYPES[self.params[name]["dtype"]], copy=True)
-        flat = weight.view(-1)
-        for start, fragment in self._tensors.fragments(name, WEIGHT):
-            flat[start : start + fragment.numel()] = fragment.reshape(-1)
-        return weight
+            return self.stored(name, WEIGHT)
+        shape = self.shape(name)
+        self.dtype(name, FP32)  # the master must be there
+        placeholder = self.holes.new(shape.numel(), DTYPES[self.params[name]["dtype"]])
+        self.holes.place(placeholder, Segment(name, MODULE, 0, shape.numel(), 0))
+        return placeholder.view(shape)
 
     def frozen_names(self) -> list[str]:
         return [name for name, info in self.params.items() if not info["trainable"]]
@@ -160,11 +204,14 @@ class _Writer:
         return state
 
     def frozen_fragment(self, name: str, rank: int) -> torch.Tensor:
-        weight = self.tensor(name, WEIGHT)
         if self.stage < 3:
-            return weight
-        part = zero3_slice(weight.numel(), self.world_size)
-        return _pad_to(weight.reshape(-1), part * self.world_size)[rank * part : (rank + 1) * part].clone()
+            return self.stored(name, WEIGHT)
+        numel = self.shape(name).numel()
+        part = zero3_slice(numel, self.world_size)
+        fragment = self.holes.new(part, self.dtype(name, WEIGHT))
+        start = rank * part
+        self.holes.place(fragment, Segment(name, WEIGHT, start, max(0, min(part, numel - start)), 0))
+        return fragment
 
     def param_shapes(self) -> list[OrderedDict]:
         if self.flavour == ZERO3:
@@ -175,24 +222,33 @@ class _Writer:
 
     # -- optimizer state ---------------------------------------------------------------------
 
+    def group_dtype(self, names: list[str], kind: str) -> torch.dtype:
+        return self.dtype(names[0], kind) if names else torch.float32
+
     def flat(self, names: list[str], kind: str) -> torch.Tensor:
-        parts = [self.tensor(n, kind).reshape(-1) for n in names]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+        """A placeholder for ``kind`` of ``names`` laid end to end."""
+        sizes = [self.shape(n).numel() for n in names]
+        flat = self.holes.new(sum(sizes), self.group_dtype(names, kind))
+        offset = 0
+        for name, numel in zip(names, sizes, strict=True):
+            self.dtype(name, kind)
+            self.holes.place(flat, Segment(name, kind, 0, numel, offset))
+            offset += numel
+        return flat
 
     def partitioned(self, names: list[str], kind: str, size: int) -> list[torch.Tensor]:
-        """``kind`` of ``names`` laid end to end, zero-padded and cut into one buffer per rank."""
-        buffers = None
+        """Placeholders for ``kind`` of ``names`` laid end to end, zero-padded, one per rank."""
+        dtype = self.group_dtype(names, kind)
+        buffers = [self.holes.new(size, dtype) for _ in range(self.world_size)]
         offset = 0
         for name in names:
-            flat = self.tensor(name, kind).reshape(-1)
-            if buffers is None:
-                buffers = [torch.zeros(size, dtype=flat.dtype) for _ in range(self.world_size)]
-            end = offset + flat.numel()
+            self.dtype(name, kind)
+            end = offset + self.shape(name).numel()
             for r in range(offset // size, min(self.world_size, -(-end // size))):
                 lo, hi = max(offset, r * size), min(end, (r + 1) * size)
-                buffers[r][lo - r * size : hi - r * size] = flat[lo - offset : hi - offset]
+                self.holes.place(buffers[r], Segment(name, kind, lo - offset, hi - lo, lo - r * size))
             offset = end
-        return buffers or [torch.zeros(size, dtype=torch.float32) for _ in range(self.world_size)]
+        return buffers
 
     def zero12_files(self) -> list[dict]:
         W = self.world_size
@@ -252,14 +308,19 @@ class _Writer:
             for names, scalars, kinds in zip(
                 group["subgroups"], group["subgroup_scalars"], group["subgroup_kinds"], strict=True
             ):
-                slices = {kind: [] for kind in [FP32, *kinds]}
-                for name in names:
-                    numel = self.shape(name).numel()
-                    part = zero3_slice(numel, W)
-                    for kind, out in slices.items():
-                        out.append(_pad_to(self.tensor(name, kind).reshape(-1), part * W).view(W, part))
+                numels = [self.shape(name).numel() for name in names]
+                parts = [zero3_slice(numel, W) for numel in numels]
                 for r, out in enumerate(per_rank):
-                    flat = {kind: torch.cat([s[r] for s in parts]) for kind, parts in slices.items()}
+                    # rank r holds slice r of every parameter, each padded to ceil(numel / W)
+                    flat = {}
+                    for kind in [FP32, *kinds]:
+                        flat[kind] = self.holes.new(sum(parts), self.group_dtype(names, kind))
+                        offset = 0
+                        for name, numel, part in zip(names, numels, parts, strict=True):
+                            self.dtype(name, kind)
+                            count = max(0, min(part, numel - r * part))
+                            self.holes.place(flat[kind], Segment(name, kind, r * part, count, offset))
+                            offset += part
                     out["fp32"].append(flat[FP32])
                     out["state"][index] = {**scalars, **{kind: flat[kind] for kind in kinds}}
                 indices.append(index)
@@ -283,7 +344,7 @@ class _Writer:
                 ids.append(index)
                 if name in group["param_state"]:
                     entry = group["param_state"][name]
-                    state[index] = {**entry["scalars"], **{k: self.tensor(name, k) for k in entry["kinds"]}}
+                    state[index] = {**entry["scalars"], **{k: self.stored(name, k) for k in entry["kinds"]}}
                 index += 1
             param_groups.append({**group["hyper"], "params": ids})
         return {"state": state, "param_groups": param_groups}
@@ -304,16 +365,14 @@ class _Writer:
 
     def write(self, tag_dir: Path) -> list[Path]:
         tag_dir.mkdir(parents=True, exist_ok=True)
-        written = []
+        files: list[tuple[Path, object]] = []
         module = self.module()
         ds_config = self.d["model_state"].get("ds_config")
         ds_version = self.d["model_state"].get("ds_version")
         prefix = "bf16_" if self.d["bf16"] else ""
 
         def save(obj, name: str) -> None:
-            path = tag_dir / name
-            torch.save(obj, path)
-            written.append(path)
+            files.append((tag_dir / name, obj))
 
         if self.flavour in (ZERO12, BF16_OPTIMIZER, ZERO3):
             optim_files = self.zero3_files() if self.flavour == ZERO3 else self.zero12_files()
@@ -330,7 +389,85 @@ class _Writer:
         else:
             optimizer = self.basic_optimizer() if self.flavour == BASIC else self.fp16_optimizer()
             save(self.model_state(0, module, optimizer), "mp_rank_00_model_states.pt")
-        return written
+        self.fill([(path, save_skeleton(obj, path)) for path, obj in files])
+        return [path for path, _ in files]
+
+    # -- bytes -----------------------------------------------------------------------------
+
+    def fill(self, skeletons: list[tuple[Path, list[tuple[torch.UntypedStorage, int]]]]) -> None:
+        """Write the bytes of every storage of the saved skeletons, a parameter per task."""
+        by_param: dict[str, list[tuple[int, int, Segment, torch.dtype]]] = defaultdict(list)
+        fds = []
+        try:
+            for path, storages in skeletons:
+                fd = os.open(path, os.O_WRONLY)
+                fds.append(fd)
+                for storage, offset in storages:
+                    entry = self.holes.segments.get(storage.data_ptr())
+                    if entry is None:  # a real tensor (a buffer, a scalar): small, written now
+                        pwrite_all(fd, storage_bytes(storage), offset)
+                        continue
+                    placeholder, segments = entry
+                    for segment in segments:
+                        by_param[segment.name].append((fd, offset, segment, placeholder.dtype))
+            with ThreadPoolExecutor(knobs.io_threads()) as pool:
+                tasks = [
+                    pool.submit(self.fill_parameter, name, targets) for name, targets in by_param.items()
+                ]
+                try:
+                    for task in progress_bar(
+                        as_completed(tasks), total=len(tasks), desc="write", unit="param"
+                    ):
+                        task.result()
+                except BaseException:
+                    for task in tasks:
+                        task.cancel()
+                    raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def fill_parameter(self, name: str, targets: list[tuple[int, int, Segment, torch.dtype]]) -> None:
+        """Read ``name``'s stored tensors once each and write every segment that comes from them."""
+        by_kind: dict[str, list[tuple[int, int, Segment, torch.dtype]]] = defaultdict(list)
+        for target in targets:
+            by_kind[target[2].kind].append(target)
+        master = None
+        # One kind at a time, the module weight last (it is cast from the fp32 master).
+        for kind in sorted(by_kind, key=lambda k: k == MODULE):
+            if kind == MODULE:
+                source = self.module_weight(name, self.tensor(name, FP32) if master is None else master)
+            else:
+                source = self.tensor(name, kind).reshape(-1)
+                if kind == FP32 and MODULE in by_kind:
+                    master = source
+            for fd, offset, segment, dtype in by_kind[kind]:
+                if source.dtype != dtype:
+                    raise CorruptError(
+                        f"{name} {kind} is stored as {source.dtype}, the checkpoint needs {dtype}"
+                    )
+                end = segment.source_start + segment.length
+                if end > source.numel():
+                    raise CorruptError(f"{name} {kind} holds {source.numel()} elements, {end} are needed")
+                pwrite_all(
+                    fd,
+                    raw_bytes(source[segment.source_start : end]),
+                    offset + segment.target_start * dtype.itemsize,
+                )
+
+    def module_weight(self, name: str, master: torch.Tensor) -> torch.Tensor:
+        """The flat module weight: ``master`` cast down, overlaid with any weight stored apart."""
+        fragments = self._tensors.fragments(name, WEIGHT)
+        weight = master.reshape(-1).to(DTYPES[self.params[name]["dtype"]], copy=bool(fragments))
+        for start, fragment in fragments:
+            weight[start : start + fragment.numel()] = fragment.reshape(-1)
+        return weight
+
+    def tensor(self, name: str, kind: str) -> torch.Tensor:
+        found = self._tensors(name, kind)
+        if found is None:
+            raise CorruptError(f"the store holds no {kind} tensor for {name}")
+        return found
 
 
 def write_checkpoint(
@@ -338,7 +475,8 @@ def write_checkpoint(
 ) -> list[Path]:
     """Write ``out_dir/<tag>/`` files and ``out_dir/latest`` for one step; returns the files written.
 
-    ``tensors(name, kind)`` supplies whole tensors. ``world_size`` defaults to the committed
+    ``tensors`` supplies stored tensors (see ``TensorSource``), each read once, from several
+    threads. ``world_size`` defaults to the committed
     one. ``latest`` is written last, so a directory without it is never a usable checkpoint.
     Raises CorruptError if a needed tensor is missing and UnsupportedError for layouts this
     version cannot write.
