@@ -1,15 +1,18 @@
 """Non-blocking commits: snapshot the engine's tensors, persist them on a background thread.
 
-The training loop only waits for ``snapshot``: every tensor a commit stores is copied into
-host buffers (pinned when the source is on a GPU, so the copy is a fast DMA), and the buffers
-are reused by the next commit with the same shapes, so memory stays bounded by one snapshot.
-Hashing, compression, uploads and recording then run on one background thread per store;
-a commit waits for the previous one, and errors surface from ``CommitHandle.result()``,
-``Store.wait()``, the next commit, or ``Store.close()``.
+Every tensor a commit stores is copied into host buffers (pinned when the source is on a GPU,
+so the copy is a DMA on a side stream), and the buffers are reused by the next commit with the
+same shapes, so memory stays bounded by one snapshot. The copy itself runs in the background
+too, overlapping the next forward and backward passes, which only read the optimizer's
+tensors: a ``SnapshotGate`` hooks the engine's optimizer so that its next ``step`` waits until
+the copy is done (the DataStates-LLM idea). Hashing, compression, uploads and recording then
+run on the same background thread; a commit waits for the previous one, and errors surface
+from ``CommitHandle.result()``, ``Store.wait()``, the next commit, or ``Store.close()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
@@ -37,9 +40,19 @@ class SnapshotBuffers:
             self._buffers[slot] = buffer
         return buffer
 
-    def copy(self, snapshot: Snapshot) -> Snapshot:
-        """A copy of ``snapshot`` whose tensors live in these buffers (the engine may go on)."""
+    def copy(self, snapshot: Snapshot, ready: tuple[torch.device, Any] | None = None) -> Snapshot:
+        """A copy of ``snapshot`` whose tensors live in these buffers; returns once it has landed.
+
+        ``ready`` (``device_ready``: a CUDA device and an event the training thread recorded)
+        makes device copies wait for the work that produced the tensors; they then run on a
+        side stream of their own.
+        """
         copies: dict[int, torch.Tensor] = {}  # the same tensor is copied once
+        stream = None
+        if ready is not None:
+            device, event = ready
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_event(event)
 
         def copied(slot: tuple, tensor: torch.Tensor) -> torch.Tensor:
             key = id(tensor)
@@ -50,15 +63,73 @@ class SnapshotBuffers:
             return copies[key]
 
         pieces: list[Piece] = []
-        for piece in snapshot.pieces:
-            slot = (piece.name, piece.kind, piece.start)
-            master = None
-            if piece.unless_equal_to is not None:
-                master = copied((piece.name, "fp32", piece.start), piece.unless_equal_to)
-            pieces.append(replace(piece, tensor=copied(slot, piece.tensor), unless_equal_to=master))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the device-to-host copies must land before training goes on
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for piece in snapshot.pieces:
+                slot = (piece.name, piece.kind, piece.start)
+                master = None
+                if piece.unless_equal_to is not None:
+                    master = copied((piece.name, "fp32", piece.start), piece.unless_equal_to)
+                pieces.append(replace(piece, tensor=copied(slot, piece.tensor), unless_equal_to=master))
+        if stream is not None:
+            stream.synchronize()  # the device-to-host copies must land before the engine steps
+        elif any(piece.tensor.device.type == "cuda" for piece in snapshot.pieces):
+            torch.cuda.synchronize()
         return replace(snapshot, pieces=pieces)
+
+
+def device_ready(snapshot: Snapshot) -> tuple[torch.device, Any] | None:
+    """(device, CUDA event) marking when the snapshot's device tensors are final; None on the CPU."""
+    for piece in snapshot.pieces:
+        if piece.tensor.device.type == "cuda":
+            device = piece.tensor.device
+            with torch.cuda.device(device):
+                event = torch.cuda.Event()
+                event.record()  # on the training thread's current stream
+            return device, event
+    return None
+
+
+class SnapshotGate:
+    """Holds an engine's optimizer step while a snapshot of its tensors is being copied.
+
+    Forward and backward passes only read the fp32 masters, optimizer states and module
+    weights; the optimizer step is the first thing that changes them. A step pre-hook on the
+    engine's torch optimizer (DeepSpeed's wrappers all step one) waits for ``open()``.
+    """
+
+    def __init__(self) -> None:
+        self._copied = threading.Event()
+        self._copied.set()
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def guard(self, engine: Any) -> bool:
+        """Make ``engine``'s optimizer steps wait at this gate; False if it has no torch optimizer."""
+        optimizer = engine.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = getattr(optimizer, "optimizer", None)  # DeepSpeed's ZeRO and fp16/bf16 wrappers
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return False
+        if optimizer not in self._hooks:
+            self._hooks[optimizer] = optimizer.register_step_pre_hook(self._hold)
+        return True
+
+    def _hold(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._copied.wait()
+
+    def close(self) -> None:
+        """Steps wait from now until ``open()``."""
+        self._copied.clear()
+
+    def open(self) -> None:
+        """Let steps go on."""
+        self._copied.set()
+
+    def release(self) -> None:
+        """Open the gate and unhook every optimizer."""
+        self.open()
+        for handle in list(self._hooks.values()):
+            handle.remove()
+        self._hooks.clear()
 
 
 class CommitHandle:
@@ -85,6 +156,7 @@ class CommitQueue:
         self._pending: CommitHandle | None = None
         self._lock = threading.Lock()
         self.buffers = SnapshotBuffers()
+        self.gate = SnapshotGate()
         _live_queues.add(self)
 
     def submit(self, step: int, fn) -> CommitHandle:
@@ -106,6 +178,7 @@ class CommitQueue:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.gate.release()
             _live_queues.discard(self)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import catalog_sync, codec, collective, compose, knobs, stats, strategies
 from . import files as auxfiles
-from .background import CommitHandle, CommitQueue
+from .background import CommitHandle, CommitQueue, device_ready
 from .catalog import BlobRow, Catalog, FileRow, LayerRow, StepRow, TensorRow
 from .deepspeed.layout import Snapshot
 from .errors import BadInputError, ConflictError, CorruptError, NotFoundError, UnsupportedError
@@ -184,9 +184,12 @@ class Store:
         """Store the engine's checkpoint state as ``step``.
 
         Blocking (the default): returns the CommitReport once the step is durable.
-        ``blocking=False``: returns a CommitHandle as soon as the tensors are snapshotted into
-        host buffers, so training may go on; hashing, compression, writes and recording run
-        in the background. ``handle.result()`` or ``store.wait()`` waits and raises if that
+        ``blocking=False``: returns a CommitHandle at once; the tensors are copied into host
+        buffers in the background while training goes on, and the engine's next optimizer
+        step waits until that copy is done (forward and backward passes do not change what
+        is saved). Do not change the engine's state any other way (``load_checkpoint``,
+        editing weights) before ``handle.result()``. Hashing, compression, writes and
+        recording run in the background too. ``handle.result()`` or ``store.wait()`` waits and raises if that
         failed (a failed commit records nothing); the next commit and ``close()`` wait too.
         Arguments as for ``_commit``.
         """
@@ -201,8 +204,25 @@ class Store:
         queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
         self._check_new_step(step)
         collective.use_commit_group()  # background collectives must not mix with training's
-        snapshot = queue.buffers.copy(extract(engine, client_state))
-        return queue.submit(step, lambda: self._commit(None, step, layers, None, files, prepared=snapshot))
+        snapshot = extract(engine, client_state)  # views of the live tensors, plain state copied
+        if not queue.gate.guard(engine):
+            copy = queue.buffers.copy(snapshot)  # nothing to hold the engine's steps with: copy now
+            return queue.submit(step, lambda: self._commit(None, step, layers, None, files, prepared=copy))
+        ready = device_ready(snapshot)
+
+        def copy_then_commit() -> CommitReport:
+            try:
+                copy = queue.buffers.copy(snapshot, ready)
+            finally:
+                queue.gate.open()  # the engine's next optimizer step may run
+            return self._commit(None, step, layers, None, files, prepared=copy)
+
+        queue.gate.close()
+        try:
+            return queue.submit(step, copy_then_commit)
+        except BaseException:
+            queue.gate.open()
+            raise
 
     def wait(self) -> CommitReport | None:
         """Wait for a background commit in flight; returns its report, raises its error."""

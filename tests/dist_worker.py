@@ -75,6 +75,34 @@ def resume(root: Path) -> dict:
     return results
 
 
+def non_blocking(root: Path) -> dict:
+    """Non-blocking commits at every step on 2 ranks (ZeRO 2 and 3, bf16), then resume from the last."""
+    import ckptstore
+
+    results = {}
+    for stage in (2, 3):
+        store = ckptstore.open(root / f"zero{stage}")
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=3)
+        handles = []
+        for step in range(1, 4):
+            train(engine, DATA[step - 1 : step])
+            handles.append(store.commit(engine, step=step, blocking=False))
+        reference = train(engine, DATA[3:])  # runs while the last commit is still in flight
+        steps = [handle.result().step for handle in handles]
+        if rank() == 0:
+            store.materialize(3, root / f"zero{stage}-out")
+        barrier()
+        resumed = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=3)
+        resumed.load_checkpoint(str(root / f"zero{stage}-out"))
+        results[f"zero{stage}"] = {
+            "steps": steps,
+            "reference": reference,
+            "resumed": train(resumed, DATA[3:]),
+        }
+        store.close()
+    return results
+
+
 def composite(root: Path) -> dict:
     """Parity-style commits on 2 ranks: each layer of the composite step equals its source step."""
     import ckptstore
@@ -239,7 +267,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "tailor": tailor, "s3": s3_machines}  # fmt: skip
+             "fail": failing_rank, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

@@ -2,12 +2,15 @@
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptstore
+from ckptstore.background import SnapshotBuffers
 from ckptstore.deepspeed.extract import extract
 from ckptstore.errors import StorageError
 from tools.engines import batches, build_engine, train
@@ -50,6 +53,41 @@ def test_non_blocking_commits_at_every_step_resume_bit_exactly(tmp_path):
     loaded = state_values(again)
     assert loaded.keys() == at_10.keys()
     assert all(torch.equal(loaded[k], at_10[k]) for k in at_10)
+
+
+@pytest.mark.parametrize(("stage", "dtype"), [(0, "fp32"), (0, "bf16"), (2, "bf16"), (3, "bf16")])
+def test_training_runs_during_the_snapshot_copy_and_its_optimizer_step_waits_for_it(
+    tmp_path, monkeypatch, stage, dtype
+):
+    copy_finished = threading.Event()
+    real_copy = SnapshotBuffers.copy
+
+    def slow_copy(self, snapshot, ready=None):
+        time.sleep(0.5)  # the next forward and backward run meanwhile
+        copy = real_copy(self, snapshot, ready)
+        copy_finished.set()
+        return copy
+
+    monkeypatch.setattr(SnapshotBuffers, "copy", slow_copy)
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
+    train(engine, DATA[:2])
+    at_commit = state_values(engine)
+    handle = store.commit(engine, step=2, blocking=False)
+    assert not copy_finished.is_set()  # commit returned before copying anything
+    train(engine, DATA[2:3])
+    assert copy_finished.is_set()  # the optimizer step waited for the copy
+    assert not torch.equal(
+        *(state[("model.norm.weight", "fp32")] for state in (at_commit, state_values(engine)))
+    )
+    handle.result()
+
+    store.materialize(2, tmp_path / "out")
+    resumed = build_engine("llama", zero_stage=stage, dtype=dtype, seed=7, num_layers=2)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    loaded = state_values(resumed)
+    assert loaded.keys() == at_commit.keys()
+    assert [k for k in at_commit if not torch.equal(loaded[k], at_commit[k])] == []
 
 
 def test_a_failed_background_commit_records_nothing_and_raises_on_wait(tmp_path):

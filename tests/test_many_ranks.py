@@ -43,6 +43,13 @@ def test_two_rank_commits_resume_bit_exactly_on_two_ranks(tmp_path):
             assert run["resumed"] == run["reference"], (rank, config)
 
 
+def test_two_rank_non_blocking_commits_resume_bit_exactly(tmp_path):
+    for observed in torchrun("non_blocking", tmp_path):
+        for config, run in observed.items():
+            assert run["steps"] == [1, 2, 3], config
+            assert run["resumed"] == run["reference"], config
+
+
 def test_two_rank_composite_steps_take_each_layer_from_its_source(tmp_path):
     for observed in torchrun("composite", tmp_path):
         for config, run in observed.items():
