@@ -6,7 +6,10 @@ Builds a Llama of about 80M parameters (bf16, ZeRO-2, one rank, CPU), then repor
 of several repetitions as ratios against ``engine.save_checkpoint`` (absolute times on a
 shared machine are noise; ratios measured side by side are not):
 commit time and bytes added for a full commit, a re-commit of unchanged state and a commit
-of 2 of 8 layers; materialize time against ``cp -r`` of the DeepSpeed directory.
+of 2 of 8 layers; for a non-blocking commit the time ``commit`` takes, the time the next
+training step loses, and the time until durable, also against ``save_checkpoint`` followed
+by an fsync of its files (ckptstore's commits are fsynced, DeepSpeed's are not); materialize
+time against ``cp -r`` of the DeepSpeed directory; peak extra RSS of commit and materialize.
 ``--ranks 2`` relaunches itself under ``torch.distributed.run`` (gloo on CPU); it also times
 the all-gather a whole-tensor design would need before hashing (ckptstore stores each rank's
 own fragments instead).
