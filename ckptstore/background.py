@@ -13,6 +13,7 @@ from ``CommitHandle.result()``, ``Store.wait()``, the next commit, or ``Store.cl
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import knobs
 from .deepspeed.layout import Piece, Snapshot
 from .errors import CkptStoreError
 
@@ -130,6 +132,21 @@ class SnapshotGate:
         for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()
+
+
+def lower_thread_priority() -> None:
+    """Make the calling thread yield the CPU to the training loop (Linux: a per-thread nice).
+
+    A non-blocking commit hashes and compresses on the host while training runs; on a busy
+    host it should use idle cores, not slow the training step. Best effort: where threads
+    cannot be reniced, nothing changes.
+    """
+    try:
+        thread = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, thread) + knobs.background_nice()
+        os.setpriority(os.PRIO_PROCESS, thread, min(nice, 19))
+    except (AttributeError, OSError):
+        pass
 
 
 class CommitHandle:

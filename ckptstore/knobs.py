@@ -28,6 +28,11 @@ def min_compress_ratio() -> float:
     return _float("MIN_COMPRESS_RATIO", 0.97)
 
 
+def background_nice() -> int:
+    """Nice increment of the threads that hash, compress and write a non-blocking commit."""
+    return _int("BACKGROUND_NICE", 10)
+
+
 def io_threads() -> int:
     """Threads that hash, compress and write (or fetch and decode) blobs in parallel."""
     return _int("IO_THREADS", max(2, min(8, os.cpu_count() or 2)))

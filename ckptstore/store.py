@@ -21,7 +21,7 @@ from typing import Any
 
 from . import catalog_sync, codec, collective, compose, knobs, stats, strategies
 from . import files as auxfiles
-from .background import CommitHandle, CommitQueue, device_ready
+from .background import CommitHandle, CommitQueue, device_ready, lower_thread_priority
 from .catalog import BlobRow, Catalog, FileRow, LayerRow, StepRow, TensorRow
 from .deepspeed.layout import Snapshot
 from .errors import BadInputError, ConflictError, CorruptError, NotFoundError, UnsupportedError
@@ -291,7 +291,7 @@ class Store:
             context, own["updates"] = self._tailoring_context(step, all_layers, description, samples)
             saved = self._select_layers(step, all_layers, strategies.resolve(layers, context), description)
             pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
-            rows, blobs, created = self._store_pieces(step, pieces)
+            rows, blobs, created = self._store_pieces(step, pieces, background=prepared is not None)
             if rank_zero:
                 own["samples"] = {name: s for name, s in samples.items() if layer_of(name) in saved}
                 own["files"] = self._store_files(step, own["files"])
@@ -464,8 +464,13 @@ class Store:
                 "inherited from it; commit every layer (layers=None)"
             )
 
-    def _store_pieces(self, step: int, pieces: list) -> tuple[list[TensorRow], list[BlobRow], dict[str, int]]:
-        """Hash, encode and store pieces in parallel; returns rows, blob sizes, {created key: size}."""
+    def _store_pieces(
+        self, step: int, pieces: list, *, background: bool = False
+    ) -> tuple[list[TensorRow], list[BlobRow], dict[str, int]]:
+        """Hash, encode and store pieces in parallel; returns rows, blob sizes, {created key: size}.
+
+        ``background`` (a non-blocking commit) runs the work at a lower CPU priority.
+        """
 
         def store(piece) -> tuple[TensorRow, BlobRow, bool] | None:
             if piece.redundant():
@@ -486,7 +491,9 @@ class Store:
             )
             return row, BlobRow(key, size, raw_size), created
 
-        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+        with ThreadPoolExecutor(
+            knobs.io_threads(), initializer=lower_thread_priority if background else None
+        ) as pool:
             results = [result for result in pool.map(store, pieces) if result is not None]
         rows = [r for r, _, _ in results]
         blobs = {blob.key: blob for _, blob, _ in results}

@@ -1,5 +1,6 @@
 """Non-blocking commits: training waits only for the snapshot; the step is recorded later."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -90,6 +91,30 @@ def test_training_runs_during_the_snapshot_copy_and_its_optimizer_step_waits_for
     assert [k for k in at_commit if not torch.equal(loaded[k], at_commit[k])] == []
 
 
+def test_a_non_blocking_commit_compresses_at_a_lower_cpu_priority_than_training(tmp_path, monkeypatch):
+    from ckptstore import codec
+
+    niceness = []
+    real_encode = codec.encode
+
+    def observed_encode(tensor):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_encode(tensor)
+
+    monkeypatch.setattr(codec, "encode", observed_encode)
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    train(engine, DATA[:1])
+    store.commit(engine, step=1)
+    assert niceness and set(niceness) == {training}  # a blocking commit runs at full speed
+    niceness.clear()
+    train(engine, DATA[1:2])
+    store.commit(engine, step=2, blocking=False).result()
+    assert niceness and min(niceness) == min(training + 10, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == training
+
+
 def test_a_failed_background_commit_records_nothing_and_raises_on_wait(tmp_path):
     store = ckptstore.open(tmp_path / "store")
     engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
@@ -134,8 +159,6 @@ def test_closing_the_store_flushes_a_commit_in_flight(tmp_path):
 
 
 def test_interpreter_exit_flushes_a_commit_in_flight(tmp_path):
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     result = subprocess.run([sys.executable, str(WORKER), "commit-async-exit", str(tmp_path / "store")],
                             capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
