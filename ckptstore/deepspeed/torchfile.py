@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import UnsupportedError
+
 
 def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
     """Every tensor reachable from ``obj``, depth first, in the order pickling meets them."""
@@ -45,7 +47,8 @@ def save_skeleton(obj: Any, path: Path) -> list[tuple[torch.UntypedStorage, int]
     """``torch.save(obj, path)`` without any tensor bytes (holes read back as zeros).
 
     Returns each distinct non-empty storage of ``obj`` with the file offset where its bytes
-    belong. Raises RuntimeError if torch laid the file out in a way this cannot follow.
+    belong. Raises RuntimeError if torch laid the file out in a way this cannot follow, and
+    UnsupportedError on a torch too old to say where storages are.
     """
     with torch.serialization.skip_data():
         torch.save(obj, path)
@@ -61,7 +64,9 @@ def save_skeleton(obj: Any, path: Path) -> list[tuple[torch.UntypedStorage, int]
         storage = mine.untyped_storage()
         if storage.nbytes() == 0:
             continue
-        offset = meta.untyped_storage()._checkpoint_offset
+        offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+        if offset is None:
+            raise UnsupportedError(f"materialize needs torch >= 2.6 (this is torch {torch.__version__})")
         if offsets.setdefault(storage.data_ptr(), (storage, offset))[1] != offset:
             raise RuntimeError(f"{path.name}: one storage was given two offsets")
     return list(offsets.values())
