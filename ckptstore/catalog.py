@@ -231,6 +231,19 @@ class Catalog:
         """
         return {row[0] for row in self.db.execute(sql, [json.dumps(list(steps))])}
 
+    def files_of_steps(self, steps: Iterable[int]) -> set[str]:
+        """Keys of every auxiliary file the given steps carry."""
+        sql = "SELECT DISTINCT key FROM files WHERE step IN (SELECT value FROM json_each(?))"
+        return {row[0] for row in self.db.execute(sql, [json.dumps(list(steps))])}
+
+    def referenced_files(self) -> dict[str, list[tuple[int, str, int]]]:
+        """Every stored auxiliary file of a committed step -> its (step, path, size) users."""
+        sql = "SELECT f.key, f.step, f.path, f.size FROM files f JOIN steps s ON s.step = f.step ORDER BY f.key, f.step"
+        users: dict[str, list[tuple[int, str, int]]] = {}
+        for key, step, path, size in self.db.execute(sql):
+            users.setdefault(key, []).append((step, path, size))
+        return users
+
     def consistency_problems(self) -> list[str]:
         """Layers of committed steps whose source step has no tensor rows for them."""
         sql = """

@@ -182,7 +182,7 @@ def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
 @_store_option
 @click.pass_context
 def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as_json: bool) -> None:
-    """Check that every blob a committed step needs is present and hashes to its key.
+    """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
     Exit code 0 when clean, 1 when problems were found. Unreferenced blobs (orphans)
     are reported but are not problems.
@@ -206,6 +206,12 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
                          "layers": sorted({u[1] for u in p.users})}
                         for p in report.problems
                     ],
+                    "files_checked": report.files_checked,
+                    "file_problems": [
+                        {"file": p.key, "path": p.users[0][1], "problem": p.problem,
+                         "steps": sorted({u[0] for u in p.users})}
+                        for p in report.file_problems
+                    ],
                     "catalog_problems": report.catalog_problems,
                     "orphans": report.orphans,
                     "stray_manifests": report.stray_manifests,
@@ -213,7 +219,7 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
             )
         )  # fmt: skip
     else:
-        for problem in report.problems:
+        for problem in [*report.problems, *report.file_problems]:
             click.echo(f"problem: {problem.describe()}")
         for problem in report.catalog_problems:
             click.echo(f"problem: {problem}")
@@ -225,9 +231,12 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
             )
         mode = "re-hashed" if report.deep else "checked"
         verdict = (
-            "clean" if report.ok else f"{len(report.problems) + len(report.catalog_problems)} problem(s)"
+            "clean"
+            if report.ok
+            else f"{len(report.problems) + len(report.file_problems) + len(report.catalog_problems)} problem(s)"
         )
-        click.echo(f"{report.blobs_checked} blobs ({_human(report.bytes_checked)}) {mode}: {verdict}")
+        files = f" and {report.files_checked} auxiliary file(s)" if report.files_checked else ""
+        click.echo(f"{report.blobs_checked} blobs ({_human(report.bytes_checked)}){files} {mode}: {verdict}")
     if not report.ok:
         sys.exit(EXIT_PROBLEMS)
 
@@ -266,8 +275,10 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
         f"{len(report.steps_dropped)} steps")  # fmt: skip
     click.echo(f"{verb} {len(report.steps_dropped)} step(s){': ' + dropped if report.steps_dropped else ''}; "
                f"kept {len(report.steps_kept)}")  # fmt: skip
-    click.echo(f"{freed} {report.blobs_freed} blob(s), {_human(report.bytes_freed)}; "
-               f"spared {report.blobs_spared} younger than the grace period ({_human(report.bytes_spared)})")  # fmt: skip
+    files = f" and {report.files_freed} auxiliary file(s)" if report.files_freed else ""
+    spared = report.blobs_spared + report.files_spared
+    click.echo(f"{freed} {report.blobs_freed} blob(s){files}, {_human(report.bytes_freed)}; "
+               f"spared {spared} younger than the grace period ({_human(report.bytes_spared)})")  # fmt: skip
 
 
 @cli.command()
@@ -287,10 +298,10 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
 def gc(
     ctx, store_uri, keep_last, keep_every, keep_steps, grace, dry_run, allow_empty, verbose, as_json
 ) -> None:
-    """Drop steps the retention rules do not keep, then delete blobs no kept step needs.
+    """Drop steps the retention rules do not keep, then delete blobs and files no kept step needs.
 
     Steps not kept by --keep-last, --keep-every or --keep-step are dropped; with no rule,
-    no step is dropped and only unreferenced blobs go. Layers that kept (composite) steps
+    no step is dropped and only unreferenced blobs and auxiliary files go. Layers that kept (composite) steps
     inherit from dropped steps are kept. Safe to run from cron next to training jobs:
     commits and other gc runs may run at the same time. Quiet unless it fails (or on a
     terminal, or with -v).

@@ -1,11 +1,12 @@
-"""Retention rules and mark-and-sweep garbage collection of blobs.
+"""Retention rules and mark-and-sweep garbage collection of blobs and auxiliary files.
 
 Order of a collection, each phase safe to interrupt:
 1. Decide which steps to keep (keep-last, keep-every, explicit keeps); refuse to drop every
    step unless asked, and refuse to run at all if a kept step already misses a blob.
 2. Drop the other steps: their manifests first, then their catalog rows in one transaction.
    Tensor rows that a kept composite step still inherits stay.
-3. Sweep: delete every blob no kept step references and older than the grace period.
+3. Sweep: delete every blob and stored auxiliary file (``files=``) no kept step references
+   and older than the grace period.
 
 Concurrency. A commit holds the store's gc lock shared from choosing its layers to recording
 its step; gc holds it exclusive from step 2 to the end. So a gc runs wholly before a commit
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from .errors import BadInputError, CorruptError
 from .manifest import manifest_name
+from .objects import ObjectInfo
 from .progress import progress_bar
 
 if TYPE_CHECKING:
@@ -42,7 +44,9 @@ class GcReport:
     blobs_freed: int = 0
     bytes_freed: int = 0
     blobs_spared: int = 0  # unreferenced, but younger than the grace period
-    bytes_spared: int = 0
+    bytes_spared: int = 0  # of blobs and auxiliary files
+    files_freed: int = 0  # auxiliary files (files=); their bytes count in bytes_freed
+    files_spared: int = 0
 
     def as_dict(self) -> dict:
         """Plain dict for ``--json``."""
@@ -54,6 +58,8 @@ class GcReport:
             "bytes_freed": self.bytes_freed,
             "blobs_spared": self.blobs_spared,
             "bytes_spared": self.bytes_spared,
+            "files_freed": self.files_freed,
+            "files_spared": self.files_spared,
         }
 
 
@@ -115,33 +121,46 @@ def collect(
             )
         report = GcReport(dry_run=dry_run, steps_kept=kept, steps_dropped=dropped)
 
-        referenced = store.catalog.blobs_of_steps(kept)
-        stored = {info.name.rsplit("/", 1)[-1]: info for info in store.objects.list("blobs/")}
-        absent = sorted(set(referenced) - set(stored))
-        if absent:
-            raise CorruptError(
-                f"{len(absent)} blob(s) that kept steps need are missing (e.g. {absent[0]}); gc will not run "
-                "on a damaged store: run `ckptstore verify` to see which steps are affected"
-            )
         cutoff = (time.time() if now is None else now) - grace
-        doomed = []
-        for key, info in stored.items():
-            if key in referenced:
-                continue
-            if info.mtime > cutoff:
-                report.blobs_spared += 1
-                report.bytes_spared += info.size
-            else:
-                doomed.append(info)
-        report.blobs_freed = len(doomed)
-        report.bytes_freed = sum(info.size for info in doomed)
+        doomed = _unreferenced(store, "blobs/", store.catalog.blobs_of_steps(kept), cutoff, "blob")
+        doomed_files = _unreferenced(
+            store, "files/", store.catalog.files_of_steps(kept), cutoff, "auxiliary file"
+        )
+        for found, kept_young in ((doomed, "blobs_spared"), (doomed_files, "files_spared")):
+            setattr(report, kept_young, len(found.spared))
+            report.bytes_spared += sum(info.size for info in found.spared)
+        report.blobs_freed, report.files_freed = len(doomed.gone), len(doomed_files.gone)
+        report.bytes_freed = sum(info.size for info in doomed.gone + doomed_files.gone)
         if dry_run:
             return report
 
         for step in dropped:
             store.objects.delete(manifest_name(step))
         store.catalog.drop_steps(dropped)
-        for info in progress_bar(doomed, total=len(doomed), desc="gc", unit="blob"):
+        for info in progress_bar(doomed.gone + doomed_files.gone, total=report.blobs_freed + report.files_freed,
+                                 desc="gc", unit="object"):  # fmt: skip
             store.objects.delete(info.name)
-        store.catalog.forget_blobs(info.name.rsplit("/", 1)[-1] for info in doomed)
+        store.catalog.forget_blobs(info.name.rsplit("/", 1)[-1] for info in doomed.gone)
         return report
+
+
+@dataclass
+class _Sweep:
+    gone: list[ObjectInfo]  # unreferenced and older than the grace period
+    spared: list[ObjectInfo]  # unreferenced but younger
+
+
+def _unreferenced(store: Store, prefix: str, referenced: set[str], cutoff: float, what: str) -> _Sweep:
+    """The stored objects under ``prefix`` no kept step references; CorruptError if a referenced one is missing."""
+    stored = {info.name.rsplit("/", 1)[-1]: info for info in store.objects.list(prefix)}
+    absent = sorted(referenced - set(stored))
+    if absent:
+        raise CorruptError(
+            f"{len(absent)} {what}(s) that kept steps need are missing (e.g. {absent[0]}); gc will not run "
+            "on a damaged store: run `ckptstore verify` to see which steps are affected"
+        )
+    sweep = _Sweep([], [])
+    for key, info in stored.items():
+        if key not in referenced:
+            (sweep.spared if info.mtime > cutoff else sweep.gone).append(info)
+    return sweep

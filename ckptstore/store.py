@@ -81,6 +81,22 @@ class BlobProblem:
 
 
 @dataclass
+class FileProblem:
+    """A stored auxiliary file that is missing or corrupt, with every (step, path, size) needing it."""
+
+    key: str
+    problem: str
+    users: list[tuple[int, str, int]]
+
+    def describe(self) -> str:
+        steps = sorted({u[0] for u in self.users})
+        return (
+            f"auxiliary file {self.users[0][1]} (stored as {self.key}) {self.problem}; "
+            f"needed by step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+        )
+
+
+@dataclass
 class VerifyReport:
     """Outcome of ``Store.verify``: problems make it fail; orphans are information only."""
 
@@ -88,13 +104,15 @@ class VerifyReport:
     bytes_checked: int = 0
     deep: bool = True
     problems: list[BlobProblem] = field(default_factory=list)
+    files_checked: int = 0
+    file_problems: list[FileProblem] = field(default_factory=list)
     catalog_problems: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     stray_manifests: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems and not self.catalog_problems
+        return not self.problems and not self.file_problems and not self.catalog_problems
 
 
 def _seconds(grace: timedelta | float | None) -> float:
@@ -591,7 +609,7 @@ class Store:
         allow_empty: bool = False,
         now: float | None = None,
     ) -> GcReport:
-        """Drop the steps the retention rules do not keep, then delete blobs no kept step needs.
+        """Drop the steps the retention rules do not keep, then delete blobs and files no kept step needs.
 
         Blobs younger than ``grace`` (default ``CKPTSTORE_GC_GRACE`` seconds, 1 hour) are never
         deleted. With no rule, no step is dropped and only unreferenced blobs go. ``dry_run``
@@ -614,7 +632,7 @@ class Store:
     # -- verify ----------------------------------------------------------------------------
 
     def verify(self, *, deep: bool = True) -> VerifyReport:
-        """Check every blob the committed steps reference, and the catalog's own consistency.
+        """Check every blob and auxiliary file the committed steps reference, and the catalog.
 
         Fast mode (``deep=False``) checks that every blob exists with the size the catalog
         recorded, from one listing; ``deep`` also reads, decodes and re-hashes every blob.
@@ -661,7 +679,24 @@ class Store:
                 if problem:
                     report.problems.append(BlobProblem(key, problem, users[key]))
         report.orphans = sorted(set(stored) - set(users))
+        self._verify_files(report, deep)
         return report
+
+    def _verify_files(self, report: VerifyReport, deep: bool) -> None:
+        """Check the auxiliary files committed steps carry: there, of the recorded size, and (deep) intact."""
+        stored = {info.name.rsplit("/", 1)[-1]: info.size for info in self.objects.list("files/")}
+        for key, users in self.catalog.referenced_files().items():
+            report.files_checked += 1
+            size = users[0][2]
+            if key not in stored:
+                problem = "is missing"
+            elif stored[key] != size:
+                problem = f"has {stored[key]} bytes, the catalog recorded {size}"
+            elif deep and auxfiles.file_key(self.objects.get(auxfiles.file_name(key))) != key:
+                problem = "is corrupt (its content does not hash to its key)"
+            else:
+                continue
+            report.file_problems.append(FileProblem(key, problem, users))
 
 
 def open(  # noqa: A001 - the public name

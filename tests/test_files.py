@@ -66,3 +66,49 @@ def test_oversized_files_are_refused(tmp_path, engine, monkeypatch):
         ckptstore.open(tmp_path / "store").commit(
             engine, step=1, files=[write(tmp_path / "big.txt", "12345")]
         )
+
+
+def test_gc_deletes_files_only_dropped_steps_carried(tmp_path, engine):
+    old = write(tmp_path / "v1" / "config.json", '{"version": 1}')
+    new = write(tmp_path / "v2" / "config.json", '{"version": 2}')
+    store = ckptstore.open(tmp_path / "store")
+    store.commit(engine, step=1, files=[old])
+    store.commit(engine, step=2, layers=[])  # inherits step 1's file
+    store.commit(engine, step=3, layers=[], files=[new])
+
+    kept_both = store.gc(keep_steps=[2, 3], grace=0)
+    assert kept_both.steps_dropped == [1] and kept_both.files_freed == 0  # step 2 still carries v1
+
+    dry = store.gc(keep_last=1, grace=0, dry_run=True)
+    assert dry.files_freed == 1 and len(list(store.objects.list("files/"))) == 2
+    young = store.gc(keep_last=1)  # the default grace period protects new objects
+    assert young.files_freed == 0 and young.files_spared == 1
+    report = store.gc(grace=0)
+    assert report.files_freed == 1 and report.bytes_freed >= len('{"version": 1}')
+    assert [info.size for info in store.objects.list("files/")] == [len('{"version": 2}')]
+    assert (store.materialize(3, tmp_path / "out") / "config.json").read_text() == '{"version": 2}'
+    assert store.verify().ok
+
+
+def test_verify_names_a_missing_or_damaged_file_and_the_steps_carrying_it(tmp_path, engine):
+    from ckptstore.files import file_name
+
+    store = ckptstore.open(tmp_path / "store")
+    store.commit(engine, step=1, files=[write(tmp_path / "config.json", '{"hidden": 32}')])
+    store.commit(engine, step=2, layers=[])
+    assert store.verify().files_checked == 1 and store.verify().ok
+    key = store.files(1)[0].key
+    path = store.objects.root / file_name(key)
+
+    path.write_text('{"hidden": 64}')  # same size, other bytes
+    assert store.verify(deep=False).ok  # fast mode compares sizes only
+    [problem] = store.verify().file_problems
+    assert problem.describe() == (
+        f"auxiliary file config.json (stored as {key}) is corrupt (its content does not hash to its key); "
+        "needed by steps 1, 2"
+    )
+    path.unlink()
+    [problem] = store.verify(deep=False).file_problems
+    assert problem.problem == "is missing"
+    with pytest.raises(ckptstore.CorruptError, match="auxiliary file"):
+        store.gc(grace=0)  # gc does not run on a damaged store
