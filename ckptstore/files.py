@@ -82,7 +82,7 @@ def store(objects: ObjectStore, entries: list[tuple[str, Path]]) -> list[FileRow
     for name, source in entries:
         data = source.read_bytes()
         key = file_key(data)
-        if not objects.touch(file_name(key)):
+        if objects.touch(file_name(key)) is None:
             objects.put_if_absent(file_name(key), data)
         rows.append(FileRow(name, key, len(data)))
     return rows

@@ -498,9 +498,8 @@ class Store:
             raw_size = piece.tensor.numel() * piece.tensor.element_size()
             created = False
             # Hashing is cheap, compressing is not: an existing blob is only freshened.
-            if self.objects.touch(name):
-                size = self.objects.info(name).size
-            else:
+            size = self.objects.touch(name)
+            if size is None:
                 key, data = codec.encode(piece.tensor)
                 created = self.objects.put_if_absent(name, data)
                 size = len(data)

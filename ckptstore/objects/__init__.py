@@ -40,8 +40,9 @@ class ObjectStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def touch(self, name: str) -> bool:
-        """Freshen an existing object's time (for the gc grace period); False if it does not exist."""
+    def touch(self, name: str) -> int | None:
+        """Freshen an existing object's time (for the gc grace period) and return its size in
+        bytes; None if it does not exist. A reused blob then needs no second request for its size."""
 
     @abc.abstractmethod
     def get(self, name: str) -> bytes:

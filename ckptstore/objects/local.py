@@ -97,8 +97,14 @@ class LocalObjectStore(ObjectStore):
             return False
         return True
 
-    def touch(self, name: str) -> bool:
-        return self._freshen(self._path(name))
+    def touch(self, name: str) -> int | None:
+        path = self._path(name)
+        if not self._freshen(path):
+            return None
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return None  # deleted (by gc) since: the caller writes it again
 
     @contextlib.contextmanager
     def lock(self, *, exclusive: bool) -> Iterator[None]:

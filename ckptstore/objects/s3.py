@@ -252,7 +252,7 @@ class S3ObjectStore(ObjectStore):
                 raise self._error("write", name, exc) from None
         raise AssertionError("unreachable")
 
-    def touch(self, name: str) -> bool:
+    def touch(self, name: str) -> int | None:
         # S3 has no utime: an object's LastModified changes only when it is written. Copying an
         # object onto itself with new metadata (MetadataDirective=REPLACE; S3 refuses a self-copy
         # that changes nothing) rewrites it server-side with a fresh LastModified, which is the
@@ -261,12 +261,13 @@ class S3ObjectStore(ObjectStore):
         key = self._key(name)
         head = self._head(name, key)
         if head is None:
-            return False
+            return None
+        size = head["ContentLength"]
         if time.time() - head["LastModified"].timestamp() < knobs.s3_freshen_after():
-            return True
+            return size
         stamp = {"ckptstore-freshened": f"{time.time():.3f}"}
         try:
-            if head["ContentLength"] <= _COPY_LIMIT:
+            if size <= _COPY_LIMIT:
                 self.client.copy_object(
                     Bucket=self.bucket, Key=key, CopySource={"Bucket": self.bucket, "Key": key},
                     MetadataDirective="REPLACE", Metadata=stamp,
@@ -279,9 +280,9 @@ class S3ObjectStore(ObjectStore):
                 )  # fmt: skip
         except (ClientError, BotoCoreError) as exc:
             if _is_missing(exc):
-                return False  # deleted (by gc) since the HEAD: the caller writes it again
+                return None  # deleted (by gc) since the HEAD: the caller writes it again
             raise self._error("freshen", name, exc) from None
-        return True
+        return size
 
     def _big_copier(self):
         # A multipart copy completes with CompleteMultipartUpload, which the create-only hook
