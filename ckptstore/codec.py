@@ -120,15 +120,16 @@ def _header(codec: int, dtype: str, shape: tuple[int, ...], raw_size: int) -> by
     )
 
 
-def encode(tensor: torch.Tensor) -> tuple[str, bytes]:
+def encode(tensor: torch.Tensor, key: str | None = None) -> tuple[str, bytes]:
     """Encode a tensor as ``(key, blob bytes)``.
 
     The payload is zstd-compressed (byte-grouped for multi-byte elements) unless compression
     saves too little to be worth the decode time, in which case the raw bytes are stored.
+    ``key``: the tensor's ``tensor_key``, when the caller has just computed it (not hashed again).
     """
     dtype = dtype_name(tensor.dtype)
     raw = raw_bytes(tensor)
-    key = tensor_key(tensor, raw)
+    key = tensor_key(tensor, raw) if key is None else key
     shape = tuple(tensor.shape)
     itemsize = tensor.element_size()
     payload, codec = [raw], RAW

@@ -500,7 +500,7 @@ class Store:
             # Hashing is cheap, compressing is not: an existing blob is only freshened.
             size = self.objects.touch(name)
             if size is None:
-                key, data = codec.encode(piece.tensor)
+                key, data = codec.encode(piece.tensor, key)
                 created = self.objects.put_if_absent(name, data)
                 size = len(data)
             row = TensorRow(

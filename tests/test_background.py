@@ -97,9 +97,9 @@ def test_a_non_blocking_commit_compresses_at_a_lower_cpu_priority_than_training(
     niceness = []
     real_encode = codec.encode
 
-    def observed_encode(tensor):
+    def observed_encode(tensor, key=None):
         niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return real_encode(tensor)
+        return real_encode(tensor, key)
 
     monkeypatch.setattr(codec, "encode", observed_encode)
     store = ckptstore.open(tmp_path / "store")
