@@ -433,10 +433,12 @@ class _Writer:
         for target in targets:
             by_kind[target[2].kind].append(target)
         master = None
-        # One kind at a time, the module weight last (it is cast from the fp32 master).
-        for kind in sorted(by_kind, key=lambda k: k == MODULE):
+        # One kind at a time, so a task holds at most two of them: the fp32 master first, then
+        # the module weight cast from it, then the rest.
+        for kind in sorted(by_kind, key=lambda k: (k != FP32, k != MODULE)):
             if kind == MODULE:
                 source = self.module_weight(name, self.tensor(name, FP32) if master is None else master)
+                master = None
             else:
                 source = self.tensor(name, kind).reshape(-1)
                 if kind == FP32 and MODULE in by_kind:
