@@ -169,8 +169,7 @@ def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
     local = set(catalog.steps())
     report.dropped = sorted(local - set(remote))
     if report.dropped:
-        with catalog.write_transaction():
-            catalog.drop_steps(report.dropped)
+        catalog.drop_steps(report.dropped)
     wanted = {step: name for step, name in remote.items() if step not in local}
     for manifest in _fetch_all(objects, wanted, report):
         if import_manifest(catalog, manifest):

@@ -28,11 +28,15 @@ def _store_option(command):
     )(command)
 
 
-def _open(ctx: click.Context) -> store_module.Store:
+def _store_uri(ctx: click.Context) -> str:
     uri = ctx.params.get("store_uri") or ctx.obj["store"]
     if not uri:
         raise click.UsageError("no store given: pass --store URI or set CKPTSTORE_STORE")
-    return store_module.open(uri, create=False)
+    return uri
+
+
+def _open(ctx: click.Context) -> store_module.Store:
+    return store_module.open(_store_uri(ctx), create=False)
 
 
 def _human(n: float) -> str:
@@ -354,9 +358,7 @@ def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
 
     Example: ckptstore --store s3://ckpts/llama-8b/run7 catalog rebuild
     """
-    uri = store_uri or ctx.obj["store"]
-    if not uri:
-        raise click.UsageError("no store given: pass --store URI or set CKPTSTORE_STORE")
+    uri = _store_uri(ctx)
     report = store_module.rebuild_catalog(uri)
     if as_json:
         click.echo(json.dumps(asdict(report)))

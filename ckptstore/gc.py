@@ -126,9 +126,8 @@ def collect(
         doomed_files = _unreferenced(
             store, "files/", store.catalog.files_of_steps(kept), cutoff, "auxiliary file"
         )
-        for found, kept_young in ((doomed, "blobs_spared"), (doomed_files, "files_spared")):
-            setattr(report, kept_young, len(found.spared))
-            report.bytes_spared += sum(info.size for info in found.spared)
+        report.blobs_spared, report.files_spared = len(doomed.spared), len(doomed_files.spared)
+        report.bytes_spared = sum(info.size for info in doomed.spared + doomed_files.spared)
         report.blobs_freed, report.files_freed = len(doomed.gone), len(doomed_files.gone)
         report.bytes_freed = sum(info.size for info in doomed.gone + doomed_files.gone)
         if dry_run:

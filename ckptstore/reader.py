@@ -61,8 +61,9 @@ class StepReader:
 
     ``rows`` are the catalog's tensor rows of every layer the step needs, ``sizes`` the
     recorded sizes of their blobs. Each stored tensor is expected to be read once (``__call__``
-    or ``fragments``); a second read fetches its blobs again. Reads raise NotFoundError (blob missing) or CorruptError (blob fails verification),
-    naming the blob, the tensor and the step it was saved at.
+    or ``fragments``); a second read fetches its blobs again. Reads raise NotFoundError (blob
+    missing) or CorruptError (blob fails verification), naming the blob, the tensor and the
+    step it was saved at.
     """
 
     def __init__(
@@ -78,21 +79,12 @@ class StepReader:
         self._objects = objects
         self._sizes = sizes
         self.rows: dict[tuple[str, str], list[TensorRow]] = defaultdict(list)
-        uses: Counter[str] = Counter()
         self._where: dict[str, TensorRow] = {}
-        for row in rows:
+        for row in sorted(rows, key=lambda r: r.start):
             self.rows[(row.name, row.kind)].append(row)
             self._where.setdefault(row.blob, row)
-        for parts in self.rows.values():
-            parts.sort(key=lambda r: r.start)
-            for part in parts:
-                uses[part.blob] += 1
+        uses = Counter(row.blob for parts in self.rows.values() for row in parts)
         self._blobs = _SharedBlobs(self._fetch, uses)
-
-    @property
-    def blob_count(self) -> int:
-        """How many distinct blobs the step needs."""
-        return len(self._where)
 
     def _fetch(self, key: str) -> torch.Tensor:
         row = self._where[key]

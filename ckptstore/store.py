@@ -306,8 +306,9 @@ class Store:
             names = [key for key, role in description["module_keys"] if role != "alias"]
             all_layers = ordered_layers(names)
             samples = stats.merge(sampled, description["params"])
-            context, own["updates"] = self._tailoring_context(step, all_layers, description, samples)
-            saved = self._select_layers(step, all_layers, strategies.resolve(layers, context), description)
+            context, own["updates"], refusal = self._tailoring_context(step, all_layers, description, samples)
+            own["sources"] = context.sources
+            saved = self._select_layers(all_layers, strategies.resolve(layers, context), refusal)
             pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
             rows, blobs, created = self._store_pieces(step, pieces, background=prepared is not None)
             if rank_zero:
@@ -333,7 +334,7 @@ class Store:
             if len(saved) == len(first.all_layers):
                 layer_sources = {layer: step for layer in first.all_layers}
             else:
-                inherited = self.catalog.sources(self.catalog.latest_step(before=step))
+                inherited = own["sources"]  # a partial commit was allowed: the previous step's
                 layer_sources = {
                     layer: step if layer in saved else inherited[layer] for layer in first.all_layers
                 }
@@ -360,18 +361,18 @@ class Store:
 
     def _tailoring_context(
         self, step: int, all_layers: list[str], description: dict, samples: dict[str, bytes]
-    ) -> tuple[strategies.CommitContext, dict[str, tuple[int | None, float | None]]]:
-        """What a strategy sees at this commit, and every layer's (step compared with, update)."""
+    ) -> tuple[strategies.CommitContext, dict[str, tuple[int | None, float | None]], str | None]:
+        """What a strategy sees at this commit, every layer's (step compared with, update), and
+        why this commit must save every layer (None when it may inherit from the previous step)."""
         previous = self.catalog.latest_step(before=step)
         sources = self.catalog.sources(previous) if previous is not None else {}
-        if list(sources) != all_layers:
+        same_layers = list(sources) == all_layers
+        if not same_layers:
             sources = {}  # another model: nothing to compare with, nothing to inherit
         updates = stats.layer_updates(all_layers, sources, description["params"], samples, self.catalog)
-        if sources:
-            try:
-                self._check_inheritable(previous, all_layers, description)
-            except BadInputError:
-                sources = {}
+        refusal = self._inheritance_refusal(step, previous, same_layers, description)
+        if refusal is not None:
+            sources = {}
         context = strategies.CommitContext(
             step=step,
             layers=tuple(all_layers),
@@ -379,7 +380,7 @@ class Store:
             sources=sources,
             updates={layer: update for layer, (_, update) in updates.items()},
         )
-        return context, updates
+        return context, updates, refusal
 
     def _store_files(self, step: int, entries: list | None) -> list[FileRow]:
         """Store the given auxiliary files; without any, the previous step's files are kept."""
@@ -448,9 +449,8 @@ class Store:
             files=files,
         )
 
-    def _select_layers(
-        self, step: int, all_layers: list[str], layers: Iterable[str] | None, description: dict
-    ) -> set[str]:
+    @staticmethod
+    def _select_layers(all_layers: list[str], layers: Iterable[str] | None, refusal: str | None) -> set[str]:
         if layers is None:
             return set(all_layers)
         if isinstance(layers, str):
@@ -462,25 +462,24 @@ class Store:
                 f"unknown layer{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                 f"the model's layers are {', '.join(all_layers)}"
             )
-        if len(wanted) == len(all_layers):
-            return set(wanted)
-        previous = self.catalog.latest_step(before=step)
-        if previous is None:
-            raise BadInputError(
-                f"step {step} would be the store's first step, so it must save every layer (layers=None)"
-            )
-        self._check_inheritable(previous, all_layers, description)
+        if len(wanted) < len(all_layers) and refusal is not None:
+            raise BadInputError(refusal)
         return set(wanted)
 
-    def _check_inheritable(self, previous: int, all_layers: list[str], description: dict) -> None:
+    def _inheritance_refusal(
+        self, step: int, previous: int | None, same_layers: bool, description: dict
+    ) -> str | None:
+        """Why ``step`` cannot inherit layers from ``previous`` (None when it can)."""
+        if previous is None:
+            return f"step {step} would be the store's first step, so it must save every layer (layers=None)"
         before = json.loads(self.catalog.description(previous))
-        same_layers = list(self.catalog.sources(previous)) == all_layers
         same_params = before["params"] == description["params"]
         if not (same_layers and same_params and before["world_size"] == description["world_size"]):
-            raise BadInputError(
+            return (
                 f"the model or world size changed since step {previous}, so layers cannot be "
                 "inherited from it; commit every layer (layers=None)"
             )
+        return None
 
     def _store_pieces(
         self, step: int, pieces: list, *, background: bool = False

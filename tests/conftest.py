@@ -4,6 +4,7 @@
 * Sets the single-process CPU DeepSpeed environment (DS_ACCELERATOR=cpu, MASTER_ADDR/PORT, RANK,
   WORLD_SIZE, LOCAL_RANK) at import time, i.e. before collection imports deepspeed anywhere: the
   accelerator is chosen once, at deepspeed's first use, so a fixture would run too late.
+* ``run``: the CLI run in this process, returning (returncode, stdout, stderr).
 * At session end destroys the torch.distributed process group that the first DeepSpeed engine
   created (engines share it for the whole process). A clean exit did not need this in any case
   tried (see tools/engines.py), it is insurance.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -42,6 +44,33 @@ def pytest_configure(config):
         "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
     ):
         config.addinivalue_line("filterwarnings", line)
+
+
+class CliResult(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """Run the CLI in this process, as the console script would, and capture what it printed."""
+    from ckptstore.cli import main
+
+    def invoke(*args, env_store=None) -> CliResult:
+        monkeypatch.delenv("CKPTSTORE_STORE", raising=False)
+        if env_store:
+            monkeypatch.setenv("CKPTSTORE_STORE", str(env_store))
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code or 0
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return invoke
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,22 +10,10 @@ import pytest
 
 import ckptstore
 from ckptstore.catalog_sync import cache_path
-from ckptstore.cli import main
 from ckptstore.manifest import manifest_name
 from tools.engines import batches, build_engine, train
 
 DATA = batches(4)
-
-
-def run_cli(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def commit_three_steps(store) -> None:
@@ -38,7 +26,7 @@ def commit_three_steps(store) -> None:
     store.commit(engine, step=3)
 
 
-def test_catalog_rebuild_restores_every_step_of_an_s3_store(s3, capsys, tmp_path):
+def test_catalog_rebuild_restores_every_step_of_an_s3_store(s3, run, tmp_path):
     store = ckptstore.open(s3.uri())
     commit_three_steps(store)
     log, sources = store.log(), store.sources(2)
@@ -46,18 +34,18 @@ def test_catalog_rebuild_restores_every_step_of_an_s3_store(s3, capsys, tmp_path
     store.close()
     shutil.rmtree(index.parent)
 
-    code, out, _ = run_cli(capsys, "--store", s3.uri(), "catalog", "rebuild")
+    code, out, _ = run("--store", s3.uri(), "catalog", "rebuild")
     assert code == 0
     assert out.strip() == f"rebuilt the catalog of {s3.uri()}: 3 step(s): 1, 2, 3"
     assert index.exists()
     rebuilt = ckptstore.open(s3.uri(), create=False)
     assert rebuilt.log() == log and rebuilt.sources(2) == sources
-    code, out, _ = run_cli(capsys, "--store", s3.uri(), "log", "--json")
+    code, out, _ = run("--store", s3.uri(), "log", "--json")
     assert [json.loads(line)["step"] for line in out.splitlines()] == [1, 2, 3]
     rebuilt.materialize(2, tmp_path / "out")
 
 
-def test_catalog_rebuild_restores_a_lost_local_catalog(tmp_path, capsys):
+def test_catalog_rebuild_restores_a_lost_local_catalog(tmp_path, run):
     store = ckptstore.open(tmp_path / "store")
     commit_three_steps(store)
     log = store.log()
@@ -66,7 +54,7 @@ def test_catalog_rebuild_restores_a_lost_local_catalog(tmp_path, capsys):
     with pytest.raises(ckptstore.CorruptError):
         ckptstore.open(tmp_path / "store")
 
-    code, out, _ = run_cli(capsys, "--store", tmp_path / "store", "catalog", "rebuild", "--json")
+    code, out, _ = run("--store", tmp_path / "store", "catalog", "rebuild", "--json")
     assert code == 0
     assert json.loads(out)["steps"] == [1, 2, 3]
     rebuilt = ckptstore.open(tmp_path / "store")
@@ -75,7 +63,7 @@ def test_catalog_rebuild_restores_a_lost_local_catalog(tmp_path, capsys):
     rebuilt.materialize(3, tmp_path / "out")
 
 
-def test_rebuild_leaves_out_and_reports_unreadable_manifests_and_steps_missing_blobs(s3, capsys):
+def test_rebuild_leaves_out_and_reports_unreadable_manifests_and_steps_missing_blobs(s3, run):
     store = ckptstore.open(s3.uri())
     commit_three_steps(store)
     step1 = json.loads(store.objects.get(manifest_name(1)))
@@ -84,7 +72,7 @@ def test_rebuild_leaves_out_and_reports_unreadable_manifests_and_steps_missing_b
         store.objects.delete(f"blobs/{key[:2]}/{key}")
     s3.client.put_object(Bucket=s3.bucket, Key="run/" + manifest_name(3), Body=b"{not json")
 
-    code, out, _ = run_cli(capsys, "--store", s3.uri(), "catalog", "rebuild")
+    code, out, _ = run("--store", s3.uri(), "catalog", "rebuild")
     assert code == 1
     lines = out.splitlines()
     assert lines[0].startswith(f"problem: unreadable manifest {manifest_name(3)}: malformed manifest")

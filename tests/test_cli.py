@@ -4,40 +4,11 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 
 import ckptstore
-from ckptstore.cli import main
 from tools.engines import batches, build_engine, train
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def run(capsys, monkeypatch):
-    """Run the CLI in this process, as the console script would, and capture what it printed."""
-
-    def invoke(*args, env_store=None):
-        monkeypatch.delenv("CKPTSTORE_STORE", raising=False)
-        if env_store:
-            monkeypatch.setenv("CKPTSTORE_STORE", str(env_store))
-        capsys.readouterr()
-        try:
-            main([str(a) for a in args])
-            code = 0
-        except SystemExit as exc:
-            code = exc.code or 0
-        out, err = capsys.readouterr()
-        return Result(code, out, err)
-
-    return invoke
 
 
 def test_the_console_script_reports_errors_without_a_traceback(tmp_path):

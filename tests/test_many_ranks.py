@@ -5,7 +5,6 @@ one-rank halves run in this process.
 """
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import ckptstore
 from ckptstore.errors import UnsupportedError
 from tests.dist_worker import RESHARD, commit_only, matches_store
-from tools.engines import batches, build_engine, train
+from tools.engines import batches, build_engine, free_port, train
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -23,9 +22,7 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 def torchrun(mode: str, root: Path, nproc: int = 2) -> list[dict]:
     """Run one worker mode on ``nproc`` ranks; returns each rank's observations."""
     result = root / "result"
-    with socket.socket() as probe:  # a free port, so parallel runs never meet
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # so parallel runs never meet
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
          str(WORKER), mode, str(root), str(result)],

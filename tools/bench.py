@@ -31,9 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.engines import (  # noqa: E402
+    add_bench_model_options,
     batches,
-    build_engine,
+    build_bench_engine,
     finalize_distributed,
+    free_port,
     param_count,
     setup_single_process_env,
     train,
@@ -126,13 +128,8 @@ class PeakRss:
 
 
 def relaunch(ranks: int) -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(port), __file__, *sys.argv[1:]]  # fmt: skip
+               str(free_port()), __file__, *sys.argv[1:]]  # fmt: skip
     return subprocess.run(command).returncode
 
 
@@ -141,10 +138,7 @@ def main() -> int:
     parser.add_argument(
         "--ranks", type=int, default=1, help="data-parallel ranks (relaunches under torchrun)"
     )
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=16000)
-    parser.add_argument("--reps", type=int, default=3)
+    add_bench_model_options(parser, hidden=768, layers=8, vocab=16000, reps=3)
     parser.add_argument("--workdir", help="scratch directory (default: a temp dir)")
     args = parser.parse_args()
     if args.ranks > 1 and "LOCAL_RANK" not in os.environ:
@@ -164,15 +158,7 @@ def main() -> int:
     shared = [args.workdir or tempfile.mkdtemp(prefix="ckptstore-bench-")]
     dist.broadcast_object_list(shared, src=0)  # every rank writes into one place
     work = Path(shared[0])
-    engine = build_engine(
-        "llama",
-        zero_stage=2,
-        dtype="bf16",
-        seed=0,
-        num_layers=args.layers,
-        hidden=args.hidden,
-        vocab=args.vocab,
-    )
+    engine = build_bench_engine(args)
     data = batches(2 + 2 * args.reps, vocab=args.vocab)
     train(engine, data[:1])
     say = print if rank == 0 else (lambda *a, **k: None)

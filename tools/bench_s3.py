@@ -35,13 +35,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.engines import batches, build_engine, param_count, setup_single_process_env, train  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from tools.engines import (  # noqa: E402
+    add_bench_model_options,
+    batches,
+    build_bench_engine,
+    free_port,
+    param_count,
+    setup_single_process_env,
+    train,
+)
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -78,10 +80,7 @@ def timed(fn, *args, **kwargs) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--reps", type=int, default=2)
+    add_bench_model_options(parser, hidden=512, layers=4, vocab=8000, reps=2)
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
     args = parser.parse_args()
 
@@ -111,15 +110,7 @@ def run(args, endpoint: str, work: Path) -> int:
     import ckptstore
 
     ds_logger.setLevel(logging.WARNING)
-    engine = build_engine(
-        "llama",
-        zero_stage=2,
-        dtype="bf16",
-        seed=0,
-        num_layers=args.layers,
-        hidden=args.hidden,
-        vocab=args.vocab,
-    )
+    engine = build_bench_engine(args)
     train(engine, batches(1, vocab=args.vocab))
     ds_dir = work / "ds"
     engine.save_checkpoint(str(ds_dir))

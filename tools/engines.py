@@ -60,10 +60,14 @@ __all__ = [
     "destroy_engine",
     "finalize_distributed",
     "param_count",
+    "free_port",
+    "add_bench_model_options",
+    "build_bench_engine",
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,7 +79,7 @@ def setup_single_process_env() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -252,6 +256,27 @@ def build_engine(
         model=module, model_parameters=_param_groups(module, weight_decay), config=cfg
     )
     return engine
+
+
+def add_bench_model_options(parser, *, hidden: int, layers: int, vocab: int, reps: int) -> None:
+    """The benchmarks' model size and repetition options, with these defaults."""
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--reps", type=int, default=reps)
+
+
+def build_bench_engine(args) -> Any:
+    """The benchmarks' engine: a Llama of the options' size, bf16, ZeRO-2."""
+    return build_engine(
+        "llama",
+        zero_stage=2,
+        dtype="bf16",
+        seed=0,
+        num_layers=args.layers,
+        hidden=args.hidden,
+        vocab=args.vocab,
+    )
 
 
 def batches(n: int, seed: int = 1234, vocab: int = 128, seq: int = 16, batch: int = 2) -> list[torch.Tensor]:

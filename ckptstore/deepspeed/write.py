@@ -140,10 +140,10 @@ class _Writer:
             raise CorruptError(f"the store holds no {kind} tensor for {name}")
         return dtype
 
-    def stored(self, name: str, kind: str) -> torch.Tensor:
+    def stored(self, name: str, kind: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A placeholder for the whole ``kind`` of ``name`` in its own shape."""
         shape = self.shape(name)
-        placeholder = self.holes.new(shape.numel(), self.dtype(name, kind))
+        placeholder = self.holes.new(shape.numel(), dtype or self.dtype(name, kind))
         self.holes.place(placeholder, Segment(name, kind, 0, shape.numel(), 0))
         return placeholder.view(shape)
 
@@ -174,11 +174,7 @@ class _Writer:
         """The module weight: the fp32 master cast down, overlaid with any weight stored apart."""
         if not self.params[name]["trainable"]:
             return self.stored(name, WEIGHT)
-        shape = self.shape(name)
-        self.dtype(name, FP32)  # the master must be there
-        placeholder = self.holes.new(shape.numel(), DTYPES[self.params[name]["dtype"]])
-        self.holes.place(placeholder, Segment(name, MODULE, 0, shape.numel(), 0))
-        return placeholder.view(shape)
+        return self.stored(name, MODULE, DTYPES[self.params[name]["dtype"]])
 
     def frozen_names(self) -> list[str]:
         return [name for name, info in self.params.items() if not info["trainable"]]
@@ -231,7 +227,6 @@ class _Writer:
         flat = self.holes.new(sum(sizes), self.group_dtype(names, kind))
         offset = 0
         for name, numel in zip(names, sizes, strict=True):
-            self.dtype(name, kind)
             self.holes.place(flat, Segment(name, kind, 0, numel, offset))
             offset += numel
         return flat
@@ -242,7 +237,6 @@ class _Writer:
         buffers = [self.holes.new(size, dtype) for _ in range(self.world_size)]
         offset = 0
         for name in names:
-            self.dtype(name, kind)
             end = offset + self.shape(name).numel()
             for r in range(offset // size, min(self.world_size, -(-end // size))):
                 lo, hi = max(offset, r * size), min(end, (r + 1) * size)
@@ -317,7 +311,6 @@ class _Writer:
                         flat[kind] = self.holes.new(sum(parts), self.group_dtype(names, kind))
                         offset = 0
                         for name, numel, part in zip(names, numels, parts, strict=True):
-                            self.dtype(name, kind)
                             count = max(0, min(part, numel - r * part))
                             self.holes.place(flat[kind], Segment(name, kind, r * part, count, offset))
                             offset += part
@@ -478,10 +471,9 @@ def write_checkpoint(
     """Write ``out_dir/<tag>/`` files and ``out_dir/latest`` for one step; returns the files written.
 
     ``tensors`` supplies stored tensors (see ``TensorSource``), each read once, from several
-    threads. ``world_size`` defaults to the committed
-    one. ``latest`` is written last, so a directory without it is never a usable checkpoint.
-    Raises CorruptError if a needed tensor is missing and UnsupportedError for layouts this
-    version cannot write.
+    threads. ``world_size`` defaults to the committed one. ``latest`` is written last, so a
+    directory without it is never a usable checkpoint. Raises CorruptError if a needed tensor
+    is missing and UnsupportedError for layouts this version cannot write.
     """
     writer = _Writer(description, tensors, world_size or plainstate.from_plain(description)["world_size"])
     written = writer.write(out_dir / tag)

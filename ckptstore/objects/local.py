@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import knobs
 from ..errors import BadInputError, NotFoundError, StorageError
-from . import ObjectInfo, ObjectStore
+from . import ObjectInfo, ObjectStore, check_name
 
 # Out of space, quota and permission problems do not go away by retrying.
 _PERMANENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
@@ -54,12 +54,7 @@ class LocalObjectStore(ObjectStore):
                 raise _storage_error("create store directory", str(self.root), exc) from None
 
     def _path(self, name: str) -> Path:
-        parts = name.split("/")
-        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-            raise BadInputError(f"invalid object name {name!r}")
-        if name.endswith(knobs.tmp_suffix()):
-            raise BadInputError(f"object names may not end in {knobs.tmp_suffix()}: {name!r}")
-        return self.root.joinpath(*parts)
+        return self.root.joinpath(*check_name(name).split("/"))
 
     def put_if_absent(self, name: str, data: bytes | memoryview) -> bool:
         path = self._path(name)

@@ -216,8 +216,7 @@ class S3ObjectStore(ObjectStore):
         key = self._key(name)
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         if size >= knobs.s3_multipart_threshold():
-            if self._head(name, key) is not None:
-                self.touch(name)
+            if self.touch(name) is not None:  # there already (and now freshened)
                 return False
 
             def put() -> None:
