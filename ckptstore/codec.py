@@ -121,11 +121,19 @@ def _header(codec: int, dtype: str, shape: tuple[int, ...], raw_size: int) -> by
 
 
 def encode(tensor: torch.Tensor, key: str | None = None) -> tuple[str, bytes]:
-    """Encode a tensor as ``(key, blob bytes)``.
+    """Encode a tensor as ``(key, blob bytes)``: ``encode_parts`` joined into one bytes object."""
+    key, parts = encode_parts(tensor, key)
+    return key, b"".join(parts)
+
+
+def encode_parts(tensor: torch.Tensor, key: str | None = None) -> tuple[str, list]:
+    """Encode a tensor as ``(key, buffers)``: the blob is the buffers laid end to end.
 
     The payload is zstd-compressed (byte-grouped for multi-byte elements) unless compression
     saves too little to be worth the decode time, in which case the raw bytes are stored.
     ``key``: the tensor's ``tensor_key``, when the caller has just computed it (not hashed again).
+    The parts are written as they are (``os.writev``): joining them would copy every blob
+    once more, holding the GIL.
     """
     dtype = dtype_name(tensor.dtype)
     raw = raw_bytes(tensor)
@@ -141,10 +149,7 @@ def encode(tensor: torch.Tensor, key: str | None = None) -> tuple[str, bytes]:
         packed = _compressor().compress(raw)
         if len(packed) < raw.size * knobs.min_compress_ratio():
             payload, codec = [packed], ZSTD
-    # one copy of the payload, header included
-    return key, b"".join(
-        [_header(codec, dtype, shape, raw.size), *(memoryview(p).cast("B") for p in payload)]
-    )
+    return key, [_header(codec, dtype, shape, raw.size), *payload]
 
 
 def _encode_planes(planes: np.ndarray) -> list[bytes | memoryview]:
@@ -159,8 +164,21 @@ def _encode_planes(planes: np.ndarray) -> list[bytes | memoryview]:
             if len(packed) >= plane.size * ratio:
                 packed = None
         data = plane if packed is None else packed
-        parts += [struct.pack("<BQ", packed is not None, len(data)), memoryview(data).cast("B")]
+        parts += [struct.pack("<BQ", packed is not None, len(data)), data]
     return parts
+
+
+def _unzstd(frame: memoryview, size: int, what: str) -> bytes:
+    """Decompress exactly one zstd frame that must hold ``size`` bytes.
+
+    One-shot decompression releases the GIL (a ``decompressobj`` holds it), so decoding
+    threads run in parallel. The declared size is checked first: a damaged header must not
+    make it allocate whatever the frame claims.
+    """
+    declared = zstandard.frame_content_size(frame)
+    if declared not in (-1, size):
+        raise CorruptError(f"{what}'s zstd frame declares {declared} bytes, expected {size}")
+    return _decompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
 
 
 def _decode_planes(payload: memoryview, itemsize: int, raw_size: int) -> np.ndarray:
@@ -175,10 +193,7 @@ def _decode_planes(payload: memoryview, itemsize: int, raw_size: int) -> np.ndar
             raise CorruptError("blob payload is truncated inside a byte plane")
         offset += length
         if compressed:
-            stream = _decompressor().decompressobj()
-            data = stream.decompress(data)
-            if not stream.eof or stream.unused_data:
-                raise CorruptError("a byte plane's zstd frame is truncated or has trailing bytes")
+            data = _unzstd(data, count, "a byte plane")
         plane = np.frombuffer(data, dtype=np.uint8)
         if plane.size != count:
             raise CorruptError(f"a byte plane holds {plane.size} bytes, expected {count}")
@@ -237,10 +252,7 @@ def decode(blob: bytes | memoryview, key: str | None = None) -> torch.Tensor:
         elif info.codec == ZSTD_PLANES:
             raw = _decode_planes(payload, itemsize, info.raw_size)
         else:
-            stream = _decompressor().decompressobj()
-            raw = np.frombuffer(stream.decompress(payload), dtype=np.uint8)
-            if not stream.eof or stream.unused_data:
-                raise CorruptError("blob payload is truncated or has trailing bytes after its zstd frame")
+            raw = np.frombuffer(_unzstd(payload, info.raw_size, "the blob payload"), dtype=np.uint8)
     except (zstandard.ZstdError, struct.error) as exc:
         raise CorruptError(f"blob payload does not decode: {exc}") from None
     if raw.size != info.raw_size:

@@ -33,9 +33,16 @@ def background_nice() -> int:
     return _int("BACKGROUND_NICE", 10)
 
 
+def cpu_threads() -> int:
+    """Threads that hash, compress or decode at once: by default one per core this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, _int("CPU_THREADS", cores or 2))
+
+
 def io_threads() -> int:
-    """Threads that hash, compress and write (or fetch and decode) blobs in parallel."""
-    return _int("IO_THREADS", max(2, min(8, os.cpu_count() or 2)))
+    """Blobs stored or fetched at once. More than ``cpu_threads``, so that while some threads
+    wait on a disk (fsync) or the network, others keep every core compressing or decoding."""
+    return max(1, _int("IO_THREADS", max(8, cpu_threads())))
 
 
 def tmp_suffix() -> str:

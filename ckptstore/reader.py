@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
-from . import codec
+from . import codec, knobs
 from .catalog import BlobRow, TensorRow
 from .deepspeed.layout import FP32
 from .errors import CorruptError, NotFoundError, UnsupportedError
@@ -85,6 +85,8 @@ class StepReader:
             self._where.setdefault(row.blob, row)
         uses = Counter(row.blob for parts in self.rows.values() for row in parts)
         self._blobs = _SharedBlobs(self._fetch, uses)
+        # Readers may be many threads waiting on a network; decoding is kept to one per core.
+        self._cpu = threading.BoundedSemaphore(knobs.cpu_threads())
 
     def _fetch(self, key: str) -> torch.Tensor:
         row = self._where[key]
@@ -96,7 +98,8 @@ class StepReader:
                 f"blob {key} ({where}) is missing; step {self.step} cannot be materialized"
             ) from None
         try:
-            return codec.decode(data, key)
+            with self._cpu:
+                return codec.decode(data, key)
         except CorruptError as exc:
             raise CorruptError(
                 f"blob {key} ({where}) is corrupt: {exc}; step {self.step} cannot be materialized"

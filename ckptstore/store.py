@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from .errors import BadInputError, ConflictError, CorruptError, NotFoundError, U
 from .gc import GcReport, collect
 from .layers import layer_of, ordered_layers
 from .manifest import Manifest, manifest_name
-from .objects import ObjectStore, open_objects
+from .objects import ObjectStore, data_size, open_objects
 from .progress import progress_bar
 from .reader import StepReader, blob_name
 
@@ -126,6 +127,10 @@ def _seconds(grace: timedelta | float | None) -> float:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _piece_bytes(piece) -> int:
+    return piece.tensor.numel() * piece.tensor.element_size()
 
 
 def _check_step(step: Any) -> int:
@@ -489,19 +494,25 @@ class Store:
         ``background`` (a non-blocking commit) runs the work at a lower CPU priority.
         """
 
+        # More threads than cores, so fsyncs and uploads overlap compression; the slots keep
+        # the compressing threads to one per core.
+        cpu = threading.BoundedSemaphore(knobs.cpu_threads())
+
         def store(piece) -> tuple[TensorRow, BlobRow, bool] | None:
-            if piece.redundant():
-                return None  # a module weight that is its fp32 master cast down
-            key = codec.tensor_key(piece.tensor)
+            with cpu:
+                if piece.redundant():
+                    return None  # a module weight that is its fp32 master cast down
+                key = codec.tensor_key(piece.tensor)
             name = blob_name(key)
             raw_size = piece.tensor.numel() * piece.tensor.element_size()
             created = False
             # Hashing is cheap, compressing is not: an existing blob is only freshened.
             size = self.objects.touch(name)
             if size is None:
-                key, data = codec.encode(piece.tensor, key)
-                created = self.objects.put_if_absent(name, data)
-                size = len(data)
+                with cpu:
+                    key, parts = codec.encode_parts(piece.tensor, key)
+                created = self.objects.put_if_absent(name, parts)
+                size = data_size(parts)
             row = TensorRow(
                 step, layer_of(piece.name), piece.name, piece.kind, piece.start, piece.tensor.numel(), key
             )
@@ -510,7 +521,9 @@ class Store:
         with ThreadPoolExecutor(
             knobs.io_threads(), initializer=lower_thread_priority if background else None
         ) as pool:
-            results = [result for result in pool.map(store, pieces) if result is not None]
+            # Largest first, so no big tensor starts last while the other threads sit idle.
+            tasks = {id(p): pool.submit(store, p) for p in sorted(pieces, key=_piece_bytes, reverse=True)}
+            results = [result for p in pieces if (result := tasks[id(p)].result()) is not None]
         rows = [r for r, _, _ in results]
         blobs = {blob.key: blob for _, blob, _ in results}
         created = {blob.key: blob.size for _, blob, was_created in results if was_created}

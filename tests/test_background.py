@@ -95,13 +95,13 @@ def test_a_non_blocking_commit_compresses_at_a_lower_cpu_priority_than_training(
     from ckptstore import codec
 
     niceness = []
-    real_encode = codec.encode
+    real_encode = codec.encode_parts
 
     def observed_encode(tensor, key=None):
         niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         return real_encode(tensor, key)
 
-    monkeypatch.setattr(codec, "encode", observed_encode)
+    monkeypatch.setattr(codec, "encode_parts", observed_encode)
     store = ckptstore.open(tmp_path / "store")
     engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
     training = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -81,6 +82,33 @@ def test_truncation_and_trailing_garbage_are_detected(monkeypatch, min_ratio):
     for damaged in (blob[:-1], blob[: len(blob) // 2], blob + b"\x00garbage"):
         with pytest.raises(CorruptError):
             codec.decode(damaged, key)
+
+
+def test_a_zstd_frame_declaring_another_size_is_refused_before_it_is_decompressed():
+    key, blob = codec.encode(torch.zeros(1000, dtype=torch.uint8))
+    header = codec.parse_header(blob)
+    assert header.codec == codec.ZSTD
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))  # 64 MiB of zeros in a few KiB
+    with pytest.raises(CorruptError, match=f"declares {64 << 20} bytes, expected 1000"):
+        codec.decode(blob[: header.header_size] + bomb, key)
+
+
+def test_a_byte_plane_decompressing_to_another_size_is_detected():
+    tensor = torch.zeros(4096, dtype=torch.float32)
+    key, blob = codec.encode(tensor)
+    header = codec.parse_header(blob)
+    assert header.codec == codec.ZSTD_PLANES
+    # the same planes, one element short: every frame now holds the wrong number of bytes
+    _, short = codec.encode(torch.zeros(4095, dtype=torch.float32))
+    with pytest.raises(CorruptError, match="expected 4096"):
+        codec.decode(blob[: header.header_size] + short[codec.parse_header(short).header_size :], key)
+
+
+def test_encoded_parts_laid_end_to_end_are_the_blob():
+    tensor = torch.randn(128, 64)
+    key, parts = codec.encode_parts(tensor)
+    assert (key, b"".join(parts)) == codec.encode(tensor)
+    assert len(parts) > 2  # header, then each byte plane's length and data, never joined
 
 
 def test_a_blob_under_another_key_is_detected():

@@ -89,6 +89,18 @@ def test_memoryviews_and_empty_objects_round_trip(backend):
     assert objects.info("blobs/ee/empty").size == 0
 
 
+def test_an_object_given_as_a_list_of_buffers_is_their_concatenation(backend):
+    import numpy as np
+
+    plane = np.arange(200, dtype=np.uint8)
+    parts = [b"head", memoryview(b""), plane, memoryview(b"0123456789")[2:5], b"tail"]
+    assert backend.objects.put_if_absent("blobs/ab/parts", parts) is True
+    assert backend.objects.get("blobs/ab/parts") == b"head" + plane.tobytes() + b"234" + b"tail"
+    big = [bytes(range(256)) * (3 * MIB // 256), b"x" * (3 * MIB)]  # above the multipart threshold
+    assert backend.objects.put_if_absent("blobs/ab/bigparts", big) is True
+    assert backend.objects.get("blobs/ab/bigparts") == b"".join(big)
+
+
 def test_missing_objects_raise_not_found(backend):
     objects = backend.objects
     with pytest.raises(NotFoundError):

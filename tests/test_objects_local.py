@@ -41,3 +41,22 @@ def test_unknown_uri_schemes_are_refused():
 def test_an_endpoint_is_refused_for_local_stores(tmp_path):
     with pytest.raises(BadInputError, match="s3://"):
         open_objects(str(tmp_path / "store"), endpoint_url="http://127.0.0.1:9000")
+
+
+def test_a_short_write_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    # The kernel may write less than asked (a signal, a full pipe of a network filesystem).
+    real_writev = os.writev
+
+    def at_most_seven_bytes(fd, buffers):
+        budget, taken = 7, []
+        for buffer in buffers:
+            piece = memoryview(buffer)[:budget]
+            taken.append(piece)
+            budget -= piece.nbytes
+        return real_writev(fd, taken)
+
+    monkeypatch.setattr(os, "writev", at_most_seven_bytes)
+    objects = LocalObjectStore(tmp_path / "store")
+    parts = [b"header", b"", bytes(range(50)), b"tail"]
+    assert objects.put_if_absent("blobs/ab/short", parts) is True
+    assert objects.get("blobs/ab/short") == b"".join(parts)

@@ -403,10 +403,12 @@ class _Writer:
                     placeholder, segments = entry
                     for segment in segments:
                         by_param[segment.name].append((fd, offset, segment, placeholder.dtype))
+            # Largest first, so no big parameter starts last while the other threads sit idle.
+            by_size = sorted(
+                by_param.items(), key=lambda item: -sum(s.length * d.itemsize for _, _, s, d in item[1])
+            )
             with ThreadPoolExecutor(knobs.io_threads()) as pool:
-                tasks = [
-                    pool.submit(self.fill_parameter, name, targets) for name, targets in by_param.items()
-                ]
+                tasks = [pool.submit(self.fill_parameter, name, targets) for name, targets in by_size]
                 try:
                     for task in progress_bar(
                         as_completed(tasks), total=len(tasks), desc="write", unit="param"

@@ -25,16 +25,32 @@ class ObjectInfo:
     mtime: float
 
 
+Data = bytes | memoryview | list
+"""An object's bytes: one buffer, or a list of buffers laid end to end."""
+
+
+def data_size(data: Data) -> int:
+    """Bytes in ``data``."""
+    parts = data if isinstance(data, list) else [data]
+    return sum(memoryview(part).nbytes for part in parts)
+
+
+def joined(data: Data) -> bytes | memoryview:
+    """``data`` as one buffer (a list's parts copied together once)."""
+    return b"".join(data) if isinstance(data, list) else data
+
+
 class ObjectStore(abc.ABC):
     """A flat namespace of immutable named byte strings."""
 
     uri: str
 
     @abc.abstractmethod
-    def put_if_absent(self, name: str, data: bytes | memoryview) -> bool:
+    def put_if_absent(self, name: str, data: Data) -> bool:
         """Store ``data`` under ``name`` unless it exists; True if this call created it.
 
-        When it returns, the object is durable (fsynced / acknowledged by the server).
+        ``data`` is one buffer, or a list of buffers that make the object in order (a blob's
+        header and byte planes, written without first joining them). When it returns, the object is durable (fsynced / acknowledged by the server).
         An existing object is left as it is (its time is freshened so a concurrent gc
         treats it as new).
         """

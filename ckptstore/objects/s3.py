@@ -61,7 +61,7 @@ from botocore.exceptions import (
 
 from .. import knobs
 from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError
-from . import ObjectInfo, ObjectStore, check_name
+from . import Data, ObjectInfo, ObjectStore, check_name, data_size, joined
 
 T = TypeVar("T")
 
@@ -212,9 +212,10 @@ class S3ObjectStore(ObjectStore):
 
     # -- writing ---------------------------------------------------------------------------
 
-    def put_if_absent(self, name: str, data: bytes | memoryview) -> bool:
+    def put_if_absent(self, name: str, data: Data) -> bool:
         key = self._key(name)
-        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        data = joined(data)
+        size = data_size(data)
         if size >= knobs.s3_multipart_threshold():
             if self.touch(name) is not None:  # there already (and now freshened)
                 return False

@@ -1,0 +1,77 @@
+"""How commit and materialize spend the machine: compressing and decoding on one thread per
+core, waits on disks and networks overlapping them, the largest tensors first."""
+
+import threading
+import time
+
+import ckptstore
+from ckptstore import codec
+from tools.engines import batches, build_engine, train
+
+
+class Concurrency:
+    """Counts how many threads are inside the wrapped function at once."""
+
+    def __init__(self, function, pause: float = 0.0):
+        self.function, self.pause = function, pause
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.calls.append(args)
+        try:
+            time.sleep(self.pause)
+            return self.function(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def committed_engine():
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(1))
+    return engine
+
+
+def test_compression_uses_one_thread_per_core_while_more_threads_write(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTSTORE_CPU_THREADS", "1")
+    monkeypatch.setenv("CKPTSTORE_IO_THREADS", "4")
+    store = ckptstore.open(tmp_path / "store")
+    encoding = Concurrency(codec.encode_parts)
+    writing = Concurrency(store.objects.put_if_absent, pause=0.02)  # a slow disk
+    monkeypatch.setattr(codec, "encode_parts", encoding)
+    monkeypatch.setattr(store.objects, "put_if_absent", writing)
+    store.commit(committed_engine(), step=1)
+    assert len(encoding.calls) > 10
+    assert encoding.most == 1  # never more compressing threads than CPU_THREADS
+    assert writing.most > 1  # while blobs wait on the disk, the next one is compressed
+
+
+def test_the_largest_tensors_are_compressed_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTSTORE_IO_THREADS", "1")  # one thread: the order is the schedule
+    store = ckptstore.open(tmp_path / "store")
+    encoding = Concurrency(codec.encode_parts)
+    monkeypatch.setattr(codec, "encode_parts", encoding)
+    store.commit(committed_engine(), step=1)
+    sizes = [tensor.numel() * tensor.element_size() for tensor, *_ in encoding.calls]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+def test_materialize_decodes_on_one_thread_per_core_largest_parameters_first(tmp_path, monkeypatch):
+    store = ckptstore.open(tmp_path / "store")
+    store.commit(committed_engine(), step=1)
+    monkeypatch.setenv("CKPTSTORE_CPU_THREADS", "1")
+    monkeypatch.setenv("CKPTSTORE_IO_THREADS", "4")
+    decoding = Concurrency(codec.decode, pause=0.005)
+    monkeypatch.setattr(codec, "decode", decoding)
+    store.materialize(1, tmp_path / "out")
+    assert len(decoding.calls) > 10 and decoding.most == 1
+    monkeypatch.setenv("CKPTSTORE_IO_THREADS", "1")
+    decoding.calls.clear()
+    store.materialize(1, tmp_path / "again")
+    sizes = [codec.parse_header(blob).raw_size for blob, *_ in decoding.calls]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
