@@ -8,6 +8,7 @@ and kept only until its last user has it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import Counter, defaultdict
@@ -89,17 +90,31 @@ class StepReader:
         self._cpu = threading.BoundedSemaphore(knobs.cpu_threads())
 
     def _fetch(self, key: str) -> torch.Tensor:
+        # A local read is a copy out of the page cache, CPU work like decoding, so it takes a
+        # core's slot too: threads beyond the cores then wait holding nothing. A network read
+        # waits outside the slot.
+        local = self._objects.reads_are_local
+        with self._cpu if local else contextlib.nullcontext():
+            data = self._read(key)
+            with contextlib.nullcontext() if local else self._cpu:
+                return self._decode(key, data)
+
+    def _where_saved(self, key: str) -> str:
         row = self._where[key]
-        where = f"{row.layer}: {row.name} {row.kind}, saved at step {row.step}"
+        return f"{row.layer}: {row.name} {row.kind}, saved at step {row.step}"
+
+    def _read(self, key: str) -> bytes:
         try:
-            data = self._objects.get(blob_name(key))
+            return self._objects.get(blob_name(key))
         except NotFoundError:
             raise NotFoundError(
-                f"blob {key} ({where}) is missing; step {self.step} cannot be materialized"
+                f"blob {key} ({self._where_saved(key)}) is missing; step {self.step} cannot be materialized"
             ) from None
+
+    def _decode(self, key: str, data: bytes) -> torch.Tensor:
+        where = self._where_saved(key)
         try:
-            with self._cpu:
-                return codec.decode(data, key)
+            return codec.decode(data, key)
         except CorruptError as exc:
             raise CorruptError(
                 f"blob {key} ({where}) is corrupt: {exc}; step {self.step} cannot be materialized"

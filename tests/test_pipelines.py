@@ -4,6 +4,8 @@ core, waits on disks and networks overlapping them, the largest tensors first.""
 import threading
 import time
 
+import pytest
+
 import ckptstore
 from ckptstore import codec
 from tools.engines import batches, build_engine, train
@@ -75,3 +77,24 @@ def test_materialize_decodes_on_one_thread_per_core_largest_parameters_first(tmp
     store.materialize(1, tmp_path / "again")
     sizes = [codec.parse_header(blob).raw_size for blob, *_ in decoding.calls]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_local_reads_share_the_cores_and_network_reads_wait_outside_them(
+    where, tmp_path, monkeypatch, request
+):
+    # Reading a local blob copies it out of the page cache, CPU work like decoding; an S3 read
+    # waits on the network, and many may wait at once.
+    if where == "s3":
+        monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache"))
+        store = ckptstore.open(request.getfixturevalue("s3").uri())
+    else:
+        store = ckptstore.open(tmp_path / "store")
+    store.commit(committed_engine(), step=1)
+    monkeypatch.setenv("CKPTSTORE_CPU_THREADS", "1")
+    monkeypatch.setenv("CKPTSTORE_IO_THREADS", "4")
+    reading = Concurrency(store.objects.get, pause=0.01)
+    monkeypatch.setattr(store.objects, "get", reading)
+    store.materialize(1, tmp_path / "out")
+    assert len(reading.calls) > 10
+    assert (reading.most == 1) if where == "local" else (reading.most > 1)

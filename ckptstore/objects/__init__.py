@@ -44,6 +44,8 @@ class ObjectStore(abc.ABC):
     """A flat namespace of immutable named byte strings."""
 
     uri: str
+    #: Reads copy from the local page cache (CPU work) rather than wait on a network.
+    reads_are_local: bool = False
 
     @abc.abstractmethod
     def put_if_absent(self, name: str, data: Data) -> bool:

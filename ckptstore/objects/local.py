@@ -53,6 +53,8 @@ def _fsync_dir(path: Path) -> None:
 class LocalObjectStore(ObjectStore):
     """An ObjectStore over a directory; created on first use when ``create`` is true."""
 
+    reads_are_local = True
+
     def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
         self.root = Path(root).expanduser().absolute()
         self.uri = str(self.root)
