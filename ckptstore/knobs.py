@@ -34,9 +34,15 @@ def background_nice() -> int:
 
 
 def cpu_threads() -> int:
-    """Threads that hash, compress or decode at once: by default one per core this process may use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, _int("CPU_THREADS", cores or 2))
+    """Threads that hash, compress or decode at once: by default one per core this process may
+    use. A commit's ranks on one machine compress at the same time and split these."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, _int("CPU_THREADS", cores))
+
+
+def ranks_on_this_machine() -> int:
+    """Ranks of this job on this machine (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
 def io_threads() -> int:

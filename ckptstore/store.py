@@ -495,8 +495,9 @@ class Store:
         """
 
         # More threads than cores, so fsyncs and uploads overlap compression; the slots keep
-        # the compressing threads to one per core.
-        cpu = threading.BoundedSemaphore(knobs.cpu_threads())
+        # the compressing threads to one per core. Every rank on this machine commits at once,
+        # so each takes its share of the cores.
+        cpu = threading.BoundedSemaphore(max(1, knobs.cpu_threads() // knobs.ranks_on_this_machine()))
 
         def store(piece) -> tuple[TensorRow, BlobRow, bool] | None:
             with cpu:

@@ -53,6 +53,18 @@ def test_compression_uses_one_thread_per_core_while_more_threads_write(tmp_path,
     assert writing.most > 1  # while blobs wait on the disk, the next one is compressed
 
 
+def test_ranks_on_one_machine_split_its_cores_when_they_commit(tmp_path, monkeypatch):
+    engine = committed_engine()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks here, committing at once
+    monkeypatch.setenv("CKPTSTORE_CPU_THREADS", "2")
+    monkeypatch.setenv("CKPTSTORE_IO_THREADS", "4")
+    store = ckptstore.open(tmp_path / "store")
+    encoding = Concurrency(codec.encode_parts, pause=0.005)
+    monkeypatch.setattr(codec, "encode_parts", encoding)
+    store.commit(engine, step=1)
+    assert len(encoding.calls) > 10 and encoding.most == 1
+
+
 def test_the_largest_tensors_are_compressed_first(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTSTORE_IO_THREADS", "1")  # one thread: the order is the schedule
     store = ckptstore.open(tmp_path / "store")
