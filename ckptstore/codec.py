@@ -152,7 +152,7 @@ def encode_parts(tensor: torch.Tensor, key: str | None = None) -> tuple[str, lis
     return key, [_header(codec, dtype, shape, raw.size), *payload]
 
 
-def _encode_planes(planes: np.ndarray) -> list[bytes | memoryview]:
+def _encode_planes(planes: np.ndarray) -> list[bytes | np.ndarray]:
     parts = []
     ratio = knobs.min_compress_ratio()
     compressor = _compressor(planes=True)

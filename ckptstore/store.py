@@ -505,7 +505,7 @@ class Store:
                     return None  # a module weight that is its fp32 master cast down
                 key = codec.tensor_key(piece.tensor)
             name = blob_name(key)
-            raw_size = piece.tensor.numel() * piece.tensor.element_size()
+            raw_size = _piece_bytes(piece)
             created = False
             # Hashing is cheap, compressing is not: an existing blob is only freshened.
             size = self.objects.touch(name)

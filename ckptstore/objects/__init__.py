@@ -52,9 +52,9 @@ class ObjectStore(abc.ABC):
         """Store ``data`` under ``name`` unless it exists; True if this call created it.
 
         ``data`` is one buffer, or a list of buffers that make the object in order (a blob's
-        header and byte planes, written without first joining them). When it returns, the object is durable (fsynced / acknowledged by the server).
-        An existing object is left as it is (its time is freshened so a concurrent gc
-        treats it as new).
+        header and byte planes, written without first joining them). When it returns, the
+        object is durable (fsynced / acknowledged by the server). An existing object is left
+        as it is (its time is freshened so a concurrent gc treats it as new).
         """
 
     @abc.abstractmethod
