@@ -8,7 +8,6 @@ and kept only until its last user has it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from collections import Counter, defaultdict
@@ -27,6 +26,21 @@ from .objects import ObjectStore
 def blob_name(key: str) -> str:
     """Object name of the blob with content key ``key``."""
     return f"blobs/{key[:2]}/{key}"
+
+
+def fetch_blob(objects: ObjectStore, key: str, cpu: threading.Semaphore) -> torch.Tensor:
+    """The blob ``key``, fetched, decoded and verified, its CPU work done holding a ``cpu`` slot.
+
+    Many threads may fetch while only as many as there are slots decode. A local read is a
+    copy out of the page cache, CPU work like decoding, so it holds the slot too; a network
+    read waits outside it. Raises NotFoundError (no such blob) or CorruptError.
+    """
+    if objects.reads_are_local:
+        with cpu:
+            return codec.decode(objects.get(blob_name(key)), key)
+    data = objects.get(blob_name(key))
+    with cpu:
+        return codec.decode(data, key)
 
 
 class _SharedBlobs:
@@ -90,31 +104,14 @@ class StepReader:
         self._cpu = threading.BoundedSemaphore(knobs.cpu_threads())
 
     def _fetch(self, key: str) -> torch.Tensor:
-        # A local read is a copy out of the page cache, CPU work like decoding, so it takes a
-        # core's slot too: threads beyond the cores then wait holding nothing. A network read
-        # waits outside the slot.
-        local = self._objects.reads_are_local
-        with self._cpu if local else contextlib.nullcontext():
-            data = self._read(key)
-            with contextlib.nullcontext() if local else self._cpu:
-                return self._decode(key, data)
-
-    def _where_saved(self, key: str) -> str:
         row = self._where[key]
-        return f"{row.layer}: {row.name} {row.kind}, saved at step {row.step}"
-
-    def _read(self, key: str) -> bytes:
+        where = f"{row.layer}: {row.name} {row.kind}, saved at step {row.step}"
         try:
-            return self._objects.get(blob_name(key))
+            return fetch_blob(self._objects, key, self._cpu)
         except NotFoundError:
             raise NotFoundError(
-                f"blob {key} ({self._where_saved(key)}) is missing; step {self.step} cannot be materialized"
+                f"blob {key} ({where}) is missing; step {self.step} cannot be materialized"
             ) from None
-
-    def _decode(self, key: str, data: bytes) -> torch.Tensor:
-        where = self._where_saved(key)
-        try:
-            return codec.decode(data, key)
         except CorruptError as exc:
             raise CorruptError(
                 f"blob {key} ({where}) is corrupt: {exc}; step {self.step} cannot be materialized"

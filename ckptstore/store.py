@@ -31,7 +31,7 @@ from .layers import layer_of, ordered_layers
 from .manifest import Manifest, manifest_name
 from .objects import ObjectStore, data_size, open_objects
 from .progress import progress_bar
-from .reader import StepReader, blob_name
+from .reader import StepReader, blob_name, fetch_blob
 
 STORE_FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -212,8 +212,9 @@ class Store:
         step waits until that copy is done (forward and backward passes do not change what
         is saved). Do not change the engine's state any other way (``load_checkpoint``,
         editing weights) before ``handle.result()``. Hashing, compression, writes and
-        recording run in the background too. ``handle.result()`` or ``store.wait()`` waits and raises if that
-        failed (a failed commit records nothing); the next commit and ``close()`` wait too.
+        recording run in the background too. ``handle.result()`` or ``store.wait()`` waits
+        and raises if that failed (a failed commit records nothing); the next commit and
+        ``close()`` wait too.
         Arguments as for ``_commit``.
         """
         self._ensure_open()
@@ -668,6 +669,7 @@ class Store:
         )
         report.stray_manifests = sorted(manifests - steps)
         stored = {info.name.rsplit("/", 1)[-1]: info.size for info in self.objects.list("blobs/")}
+        cpu = threading.BoundedSemaphore(knobs.cpu_threads())
 
         def check(key: str) -> tuple[str, str | None, int]:
             if key not in stored:
@@ -676,7 +678,7 @@ class Store:
                 return key, f"has {stored[key]} bytes, the catalog recorded {sizes[key].size}", stored[key]
             if deep:
                 try:
-                    codec.decode(self.objects.get(blob_name(key)), key)
+                    fetch_blob(self.objects, key, cpu)
                 except NotFoundError:
                     return key, "is missing", 0
                 except CorruptError as exc:
