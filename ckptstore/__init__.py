@@ -4,7 +4,6 @@
 ``store.materialize(step, "out/")``; see README.md.
 """
 
-from .catalog import StepRow
 from .errors import (
     BadInputError,
     CkptStoreError,
@@ -14,6 +13,7 @@ from .errors import (
     StorageError,
     UnsupportedError,
 )
+from .model import StepRow
 from .store import CommitReport, Store, VerifyReport, open, rebuild_catalog
 
 __all__ = [

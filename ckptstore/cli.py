@@ -188,8 +188,9 @@ def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
 def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as_json: bool) -> None:
     """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
-    Exit code 0 when clean, 1 when problems were found. Unreferenced blobs (orphans)
-    are reported but are not problems.
+    Exit code 0 when clean, 1 when problems were found. Unreferenced blobs (orphans),
+    manifests of interrupted commits and stray objects (names under blobs/, files/ or
+    manifests/ that ckptstore does not write) are reported but are not problems.
 
     Example: ckptstore --store runs/store verify
     """
@@ -219,6 +220,7 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
                     "catalog_problems": report.catalog_problems,
                     "orphans": report.orphans,
                     "stray_manifests": report.stray_manifests,
+                    "stray_objects": report.stray_objects,
                 }
             )
         )  # fmt: skip
@@ -232,6 +234,12 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
         if report.stray_manifests:
             click.echo(
                 f"info: manifests of uncommitted steps {report.stray_manifests} (left by interrupted commits)"
+            )
+        if report.stray_objects:
+            shown = ", ".join(report.stray_objects[:5]) + (", ..." if len(report.stray_objects) > 5 else "")
+            click.echo(
+                f"info: {len(report.stray_objects)} object(s) whose names ckptstore does not write: {shown} "
+                "(left alone by gc)"
             )
         mode = "re-hashed" if report.deep else "checked"
         verdict = (

@@ -53,3 +53,14 @@ class StorageError(CkptStoreError):
     def __init__(self, message: str, *, transient: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
+
+
+def require_int(value: object, what: str, *, minimum: int | None = None) -> int:
+    """``value`` if it is an integer of at least ``minimum``, else BadInputError saying
+    ``"<what> must be <kind>, not <value>"``. A bool is not an integer here."""
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}"
+        )
+        raise BadInputError(f"{what} must be {kind}, not {value!r}")
+    return value

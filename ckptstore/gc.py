@@ -23,15 +23,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from .catalog import Catalog
 from .errors import BadInputError, CorruptError
-from .manifest import manifest_name
-from .objects import ObjectInfo
+from .format import layout
+from .objects import ObjectInfo, ObjectStore
 from .progress import progress_bar
-
-if TYPE_CHECKING:
-    from .store import Store
 
 
 @dataclass
@@ -90,7 +87,8 @@ def steps_to_keep(
 
 
 def collect(
-    store: Store,
+    objects: ObjectStore,
+    catalog: Catalog,
     *,
     keep_last: int | None = None,
     keep_every: int | None = None,
@@ -107,8 +105,8 @@ def collect(
     the clock (tests). Raises BadInputError if every step would go without ``allow_empty``,
     CorruptError if a kept step already misses a blob (nothing is changed then).
     """
-    with store.objects.lock(exclusive=True):
-        steps = store.catalog.steps()
+    with objects.lock(exclusive=True):
+        steps = catalog.steps()
         kept = steps_to_keep(steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps)
         missing = sorted(set(drop_steps) - set(steps))
         if missing:
@@ -122,9 +120,9 @@ def collect(
         report = GcReport(dry_run=dry_run, steps_kept=kept, steps_dropped=dropped)
 
         cutoff = (time.time() if now is None else now) - grace
-        doomed = _unreferenced(store, "blobs/", store.catalog.blobs_of_steps(kept), cutoff, "blob")
+        doomed = _unreferenced(layout.list_blobs(objects), catalog.blobs_of_steps(kept), cutoff, "blob")
         doomed_files = _unreferenced(
-            store, "files/", store.catalog.files_of_steps(kept), cutoff, "auxiliary file"
+            layout.list_files(objects), catalog.files_of_steps(kept), cutoff, "auxiliary file"
         )
         report.blobs_spared, report.files_spared = len(doomed.spared), len(doomed_files.spared)
         report.bytes_spared = sum(info.size for info in doomed.spared + doomed_files.spared)
@@ -134,32 +132,37 @@ def collect(
             return report
 
         for step in dropped:
-            store.objects.delete(manifest_name(step))
-        store.catalog.drop_steps(dropped)
+            objects.delete(layout.manifest_name(step))
+        catalog.drop_steps(dropped)
         for info in progress_bar(doomed.gone + doomed_files.gone, total=report.blobs_freed + report.files_freed,
                                  desc="gc", unit="object"):  # fmt: skip
-            store.objects.delete(info.name)
-        store.catalog.forget_blobs(info.name.rsplit("/", 1)[-1] for info in doomed.gone)
+            objects.delete(info.name)
+        catalog.forget_blobs(doomed.gone_keys)
         return report
 
 
 @dataclass
 class _Sweep:
-    gone: list[ObjectInfo]  # unreferenced and older than the grace period
-    spared: list[ObjectInfo]  # unreferenced but younger
+    gone: list[ObjectInfo] = field(default_factory=list)  # unreferenced and older than the grace period
+    spared: list[ObjectInfo] = field(default_factory=list)  # unreferenced but younger
+    gone_keys: list[str] = field(default_factory=list)
 
 
-def _unreferenced(store: Store, prefix: str, referenced: set[str], cutoff: float, what: str) -> _Sweep:
-    """The stored objects under ``prefix`` no kept step references; CorruptError if a referenced one is missing."""
-    stored = {info.name.rsplit("/", 1)[-1]: info for info in store.objects.list(prefix)}
-    absent = sorted(referenced - set(stored))
+def _unreferenced(stored: layout.Listing[str], referenced: set[str], cutoff: float, what: str) -> _Sweep:
+    """The stored objects no kept step references; CorruptError if a referenced one is missing.
+
+    Stray names (not names the store writes) are never deleted: they are not ckptstore's."""
+    absent = stored.missing(referenced)
     if absent:
         raise CorruptError(
             f"{len(absent)} {what}(s) that kept steps need are missing (e.g. {absent[0]}); gc will not run "
             "on a damaged store: run `ckptstore verify` to see which steps are affected"
         )
-    sweep = _Sweep([], [])
-    for key, info in stored.items():
-        if key not in referenced:
-            (sweep.spared if info.mtime > cutoff else sweep.gone).append(info)
+    sweep = _Sweep()
+    for key, info in stored.unreferenced(referenced).items():
+        if info.mtime > cutoff:
+            sweep.spared.append(info)
+        else:
+            sweep.gone.append(info)
+            sweep.gone_keys.append(key)
     return sweep

@@ -20,7 +20,7 @@ import bisect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from .errors import BadInputError
+from .errors import BadInputError, require_int
 from .layers import block_index, is_block
 
 
@@ -100,11 +100,7 @@ class Filter(Strategy):
 
     def __post_init__(self) -> None:
         for name in ("first", "last", "every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "every" else 0):
-                raise BadInputError(
-                    f"Filter({name}=...) takes an integer >= {1 if name == 'every' else 0}, not {value!r}"
-                )
+            require_int(getattr(self, name), f"Filter({name}=...)", minimum=1 if name == "every" else 0)
 
     def select(self, context: CommitContext) -> list[str]:
         blocks = context.blocks
@@ -132,10 +128,8 @@ class UpdateMagnitude(Strategy):
             or self.threshold < 0
         ):
             raise BadInputError(f"UpdateMagnitude(threshold=...) takes a number >= 0, not {self.threshold!r}")
-        if self.max_age is not None and (
-            isinstance(self.max_age, bool) or not isinstance(self.max_age, int) or self.max_age < 1
-        ):
-            raise BadInputError(f"UpdateMagnitude(max_age=...) takes an integer >= 1, not {self.max_age!r}")
+        if self.max_age is not None:
+            require_int(self.max_age, "UpdateMagnitude(max_age=...)", minimum=1)
 
     def select(self, context: CommitContext) -> list[str]:
         chosen = []

@@ -1,6 +1,6 @@
 """The catalog schema, as ordered SQL migrations (``NNNN_name.sql``) applied by sqlite-utils.
 
-This folder is installed as ``ckptstore.migrations``. Each file runs in one transaction
+This folder is installed as ``ckptstore.catalog.migrations``. Each file runs in one transaction
 together with its record in ``_sqlite_migrations``; a failing migration rolls back and stays
 pending. Never edit an applied migration: add a new file.
 """

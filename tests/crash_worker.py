@@ -52,7 +52,7 @@ def die_at(store, stage: str) -> None:
 
         store.objects.put_if_absent = dying_put
     elif stage == "manifest":  # the manifest is written, the catalog row never is
-        store.catalog.record_step = lambda **rows: os._exit(9)
+        store.catalog.record_step = lambda *record, **rows: os._exit(9)
     elif stage == "catalog":  # dies inside the catalog transaction, after the steps row
         from sqlite_utils.db import Table
 

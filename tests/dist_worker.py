@@ -37,8 +37,9 @@ def matches_store(engine, store, step) -> list[str]:
     import json as _json
 
     from ckptstore.deepspeed.extract import extract
+    from ckptstore.materialize.directory import step_reader
 
-    tensors = store._reader(step, _json.loads(store.catalog.description(step)))
+    tensors = step_reader(store.objects, store.catalog, step, _json.loads(store.catalog.description(step)))
     wrong = []
     for piece in extract(engine).pieces:
         full = tensors(piece.name, piece.kind)
@@ -132,8 +133,9 @@ def tailor(root: Path) -> dict:
     import json as _json
 
     import ckptstore
-    from ckptstore import stats
-    from ckptstore.deepspeed.layout import Piece
+    from ckptstore.commit import stats
+    from ckptstore.materialize.directory import step_reader
+    from ckptstore.model import Piece
     from ckptstore.strategies import UpdateMagnitude
 
     results = {}
@@ -151,7 +153,7 @@ def tailor(root: Path) -> dict:
             for step in (1, 2, 3, 4):
                 description = _json.loads(store.catalog.description(step))
                 params = description["params"]
-                tensors = store._reader(step, description)
+                tensors = step_reader(store.objects, store.catalog, step, description)
                 whole = [Piece(n, "fp32", 0, tensors(n, "fp32")) for n in params if params[n]["trainable"]]
                 expected = stats.own_samples(whole, params)
                 recorded = store.catalog.samples(step, list(params))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.background import SnapshotBuffers
+from ckptstore.commit.background import SnapshotBuffers
 from ckptstore.deepspeed.extract import extract
 from ckptstore.errors import StorageError
 from tools.engines import batches, build_engine, train
@@ -92,7 +92,7 @@ def test_training_runs_during_the_snapshot_copy_and_its_optimizer_step_waits_for
 
 
 def test_a_non_blocking_commit_compresses_at_a_lower_cpu_priority_than_training(tmp_path, monkeypatch):
-    from ckptstore import codec
+    from ckptstore.format import codec
 
     niceness = []
     real_encode = codec.encode_parts

@@ -1,20 +1,23 @@
 """The catalog schema comes only from migrations; newer schemas are refused."""
 
 import pytest
-from ckptstore.migrations import MIGRATION_SET, migration_files, migrations
+from ckptstore.catalog.migrations import MIGRATION_SET, migration_files, migrations
 from sqlite_utils import Database
 
-from ckptstore.catalog import BlobRow, Catalog, TensorRow
+from ckptstore.catalog import Catalog
 from ckptstore.errors import ConflictError, NotFoundError, UnsupportedError
+from ckptstore.model import BlobRow, StepRecord, TensorRow
 
 
 def record(catalog, step, sources):
     catalog.record_step(
-        step=step, created_at="2026-01-01T00:00:00+00:00", world_size=1, description="{}",
-        layer_sources=sources,
-        tensors=[TensorRow(step, layer, f"{layer}.w", "fp32", 0, 4, f"k{step}{layer}")
-                 for layer, source in sources.items() if source == step],
-        blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer, source in sources.items() if source == step],
+        StepRecord(
+            step=step, created_at="2026-01-01T00:00:00+00:00", world_size=1, description="{}",
+            layer_sources=sources,
+            tensors=[TensorRow(step, layer, f"{layer}.w", "fp32", 0, 4, f"k{step}{layer}")
+                     for layer, source in sources.items() if source == step],
+            blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer, source in sources.items() if source == step],
+        ),
         blobs_added=1, bytes_added=10,
     )  # fmt: skip
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 import ckptstore
-from ckptstore.catalog_sync import cache_path
-from ckptstore.manifest import manifest_name
+from ckptstore.catalog.sync import cache_path
+from ckptstore.format.layout import manifest_name
 from tools.engines import batches, build_engine, train
 
 DATA = batches(4)

@@ -170,3 +170,67 @@ def test_delete_drops_a_step_record(run, gc_store):
     assert result.returncode == 0 and "dropped step 300" in result.stdout
     assert run("--store", gc_store, "materialize", "--step", 300, gc_store.parent / "o").returncode == 3
     assert run("--store", gc_store, "delete", "--step", 300).returncode == 3
+
+
+@pytest.mark.parametrize(
+    "stray",
+    ["manifests/notes", "manifests/7.json", "blobs/zz/not-a-key", "blobs/README", "files/ab/readme.txt"],
+)
+def test_verify_reports_a_stray_object_as_information_and_exits_0(run, gc_store, stray):
+    target = gc_store.joinpath(*stray.split("/"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("left here by hand")
+    result = run("--store", gc_store, "verify")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"info: 1 object(s) whose names ckptstore does not write: {stray}" in result.stdout
+    assert "clean" in result.stdout
+    report = json.loads(run("--store", gc_store, "verify", "--json").stdout)
+    assert report["ok"] and report["stray_objects"] == [stray] and report["orphans"] == []
+    # Neither gc nor a catalog rebuild takes it for one of the store's own objects.
+    assert run("--store", gc_store, "gc", "--grace", "0s").returncode == 0
+    assert target.exists()
+    assert run("--store", gc_store, "catalog", "rebuild").returncode == 0
+    assert ckptstore.open(gc_store).steps() == [300, 400]
+
+
+def _newer(path, name, old, new):
+    target = path.joinpath(*name.split("/"))
+    data = target.read_bytes()
+    assert old in data
+    target.write_bytes(data.replace(old, new, 1))
+
+
+def test_a_store_written_by_a_newer_format_is_refused_with_exit_6(run, gc_store):
+    _newer(gc_store, "config.json", b'"format_version": 1', b'"format_version": 2')
+    for args in (["log"], ["verify"], ["catalog", "rebuild"]):
+        result = run("--store", gc_store, *args)
+        assert result.returncode == 6, (args, result.stderr)
+        assert "format version 2" in result.stderr and "upgrade ckptstore" in result.stderr
+
+
+def test_a_manifest_written_by_a_newer_format_is_refused_by_catalog_rebuild(run, gc_store):
+    from ckptstore.format.layout import manifest_name
+
+    _newer(gc_store, manifest_name(400), b'"version":1', b'"version":2')
+    before = (gc_store / "catalog.db").read_bytes()
+    result = run("--store", gc_store, "catalog", "rebuild")
+    assert result.returncode == 6
+    assert result.stderr.startswith(f"error: {manifest_name(400)}: manifest has format version 2")
+    assert (gc_store / "catalog.db").read_bytes() == before  # nothing was replaced
+
+
+def test_a_blob_written_by_a_newer_format_is_refused_by_materialize(run, gc_store, tmp_path):
+    blob = sorted((gc_store / "blobs").rglob("*"))[-1]
+    data = bytearray(blob.read_bytes())
+    data[4] = 2  # the format version byte
+    blob.write_bytes(bytes(data))
+    result = run("--store", gc_store, "materialize", "--step", 400, tmp_path / "out")
+    assert result.returncode == 6
+    assert f"blob {blob.name}" in result.stderr and "blob has format version 2" in result.stderr
+    assert not (tmp_path / "out").exists()
+    verified = run("--store", gc_store, "verify")
+    assert (
+        verified.returncode == 1
+        and f"blob {blob.name}" in verified.stdout
+        and "cannot be read" in verified.stdout
+    )

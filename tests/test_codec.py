@@ -6,8 +6,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptstore import codec
 from ckptstore.errors import CorruptError, UnsupportedError
+from ckptstore.format import codec
 
 DTYPES = [
     torch.float32,
@@ -65,13 +65,74 @@ def test_zero_dim_tensor_has_a_stable_key():
     assert codec.tensor_key(torch.tensor(5)) != codec.tensor_key(torch.tensor([5]))
 
 
-@pytest.mark.parametrize("position", [0, 4, 10, -1, -100])
+# Whole blobs, header (magic, version, codec byte, dtype, shape, size) and payload, for each codec.
+GOLDEN = {
+    "raw": (
+        torch.tensor([1.5, -2.0, 0.25]),
+        "11f37163befa1311021f55324b42dc5d",
+        "434b5042010007666c6f617433320103000000000000000c000000000000000000c03f000000c00000803e",
+    ),
+    "zstd": (
+        torch.zeros(64, dtype=torch.uint8),
+        "356982a8a919d91923910f6ea7204bb1",
+        "434b504201010575696e7438014000000000000000400000000000000028b52ffd20404500001000000100930016",
+    ),
+    "planes": (
+        torch.ones(4, 16, dtype=torch.bfloat16),
+        "40398121b5510d41aa768a9832e0ec27",
+        "434b504201030862666c6f617431360204000000000000001000000000000000800000000000000001110000000000000028b52ffd"
+        "2040450000108080010093001601110000000000000028b52ffd2040450000103f3f0100930016",
+    ),
+    # Byte-grouped in one zstd frame: no longer written, still read.
+    "grouped": (
+        torch.full((32,), 2.0, dtype=torch.float16),
+        "3f99919ab99f07ffdb5e43fb9f6cfcea",
+        "434b5042010207666c6f61743136012000000000000000400000000000000028b52ffd20405d0000180000400200a01122c002",
+    ),
+}
+CODEC_BYTES = {
+    "raw": codec.RAW,
+    "zstd": codec.ZSTD,
+    "planes": codec.ZSTD_PLANES,
+    "grouped": codec.ZSTD_GROUPED,
+}
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_whole_blob_bytes_are_pinned_for_each_codec(name):
+    tensor, key, pinned = GOLDEN[name]
+    blob = bytes.fromhex(pinned)
+    assert codec.parse_header(blob).codec == CODEC_BYTES[name]
+    if name != "grouped":
+        assert codec.encode(tensor) == (key, blob)
+    decoded = codec.decode(blob, key)
+    assert decoded.dtype == tensor.dtype and torch.equal(decoded, tensor)
+
+
+def test_a_blob_of_a_newer_format_version_is_refused_as_unsupported():
+    _, _, pinned = GOLDEN["raw"]
+    newer = bytearray.fromhex(pinned)
+    newer[4] = 2
+    with pytest.raises(UnsupportedError, match="blob has format version 2, written by a newer ckptstore"):
+        codec.decode(bytes(newer))
+
+
+@pytest.mark.parametrize("position", [0, 5, 10, -1, -100])
 def test_a_flipped_byte_is_detected(position):
     tensor = torch.randn(64, 64)
     key, blob = codec.encode(tensor)
     damaged = bytearray(blob)
     damaged[position] ^= 0xFF
     with pytest.raises(CorruptError):
+        codec.decode(bytes(damaged), key)
+
+
+def test_a_flipped_version_byte_reads_as_a_newer_format_and_is_refused():
+    # The version byte cannot tell a newer format from damage: either way the blob is refused.
+    key, blob = codec.encode(torch.randn(64, 64))
+    damaged = bytearray(blob)
+    damaged[4] ^= 0xFF
+    with pytest.raises(UnsupportedError, match="blob has format version 254"):
         codec.decode(bytes(damaged), key)
 
 

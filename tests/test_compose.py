@@ -6,10 +6,10 @@ import yaml
 
 import ckptstore
 from ckptstore.cli import main
-from ckptstore.compose import plan
 from ckptstore.deepspeed.extract import extract
 from ckptstore.errors import BadInputError
 from ckptstore.layers import layer_of
+from ckptstore.materialize.compose import plan
 from ckptstore.strategies import Parity
 from tools.engines import batches, build_engine, train
 

@@ -4,7 +4,8 @@ import pytest
 
 import ckptstore
 from ckptstore.errors import BadInputError
-from ckptstore.manifest import Manifest, manifest_name
+from ckptstore.format import manifest
+from ckptstore.format.layout import manifest_name
 from tools.engines import batches, build_engine, train
 
 
@@ -35,8 +36,8 @@ def test_files_round_trip_are_inherited_and_stored_once(tmp_path, engine):
     assert [f.path for f in store.files(3)] == ["config.json", "tok/tokenizer.json"]
     assert store.files(4) == []
     assert len(list(store.objects.list("files/"))) == 2  # identical contents stored once
-    manifest = Manifest.decode(store.objects.get(manifest_name(3)))
-    assert [(f.path, f.size) for f in manifest.files] == [("config.json", 14), ("tok/tokenizer.json", 13)]
+    record = manifest.decode(store.objects.get(manifest_name(3)))
+    assert [(f.path, f.size) for f in record.files] == [("config.json", 14), ("tok/tokenizer.json", 13)]
 
     out = store.materialize(2, tmp_path / "out2")
     assert (out / "config.json").read_text() == '{"hidden": 32}'
@@ -91,7 +92,7 @@ def test_gc_deletes_files_only_dropped_steps_carried(tmp_path, engine):
 
 
 def test_verify_names_a_missing_or_damaged_file_and_the_steps_carrying_it(tmp_path, engine):
-    from ckptstore.files import file_name
+    from ckptstore.format.layout import file_name
 
     store = ckptstore.open(tmp_path / "store")
     store.commit(engine, step=1, files=[write(tmp_path / "config.json", '{"hidden": 32}')])

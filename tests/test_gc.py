@@ -16,6 +16,8 @@ import torch
 
 import ckptstore
 from ckptstore.errors import BadInputError, CorruptError, NotFoundError
+from ckptstore.format import codec
+from ckptstore.format.layout import blob_name
 from ckptstore.gc import steps_to_keep
 from tools.engines import batches, build_engine, train
 
@@ -114,14 +116,14 @@ def test_dry_run_changes_nothing_and_predicts_what_the_real_run_frees(composite_
 
 
 def test_orphans_younger_than_the_grace_period_survive_and_older_ones_go(composite_store):
-    key, data = ckptstore.codec.encode(torch.arange(7.0))
-    composite_store.objects.put_if_absent(ckptstore.store.blob_name(key), data)
+    key, data = codec.encode(torch.arange(7.0))
+    composite_store.objects.put_if_absent(blob_name(key), data)
     now = time.time()
     young = composite_store.gc(grace=3600, now=now)
     assert young.blobs_spared == 1 and young.blobs_freed == 0
-    assert composite_store.objects.exists(ckptstore.store.blob_name(key))
+    assert composite_store.objects.exists(blob_name(key))
     old = composite_store.gc(grace=3600, now=now + 7200)  # the fake clock is two hours later
-    assert old.blobs_freed == 1 and not composite_store.objects.exists(ckptstore.store.blob_name(key))
+    assert old.blobs_freed == 1 and not composite_store.objects.exists(blob_name(key))
     assert composite_store.steps() == [2, 4, 6]
 
 
@@ -136,7 +138,7 @@ def test_gc_refuses_to_drop_every_step_unless_told(composite_store):
 
 def test_gc_refuses_to_run_when_a_kept_step_misses_a_blob(composite_store):
     victim = sorted(composite_store.catalog.blobs_of_steps([6]))[0]
-    composite_store.objects.delete(ckptstore.store.blob_name(victim))
+    composite_store.objects.delete(blob_name(victim))
     with pytest.raises(CorruptError, match="verify"):
         composite_store.gc(keep_last=1, grace=0)
     assert composite_store.steps() == [2, 4, 6]
@@ -156,8 +158,8 @@ def test_delete_drops_one_step_and_the_next_gc_frees_what_only_it_needed(composi
 
 
 def test_verify_reports_orphans_as_information_not_problems(composite_store):
-    key, data = ckptstore.codec.encode(torch.ones(3))
-    composite_store.objects.put_if_absent(ckptstore.store.blob_name(key), data)
+    key, data = codec.encode(torch.ones(3))
+    composite_store.objects.put_if_absent(blob_name(key), data)
     report = composite_store.verify()
     assert report.ok and report.orphans == [key]
 
@@ -293,7 +295,7 @@ def test_gc_over_ten_thousand_steps_keeps_exactly_what_the_kept_steps_need(tmp_p
 def test_a_commit_that_raises_at_recording_leaves_the_store_as_it_was(composite_store, tmp_path, monkeypatch):
     before = materialized(composite_store, 6, tmp_path / "before")
 
-    def failing_record(**rows):
+    def failing_record(*record, **rows):
         raise OSError("disk full while recording")
 
     monkeypatch.setattr(composite_store.catalog, "record_step", failing_record)

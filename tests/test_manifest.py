@@ -1,4 +1,4 @@
-"""Manifests round-trip and encode canonically."""
+"""Manifests round-trip and encode canonically; a newer manifest is refused as unsupported."""
 
 import dataclasses
 
@@ -6,13 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptstore.catalog import BlobRow, FileRow, TensorRow
-from ckptstore.errors import CorruptError
-from ckptstore.manifest import Manifest, manifest_name
+from ckptstore.errors import CorruptError, UnsupportedError
+from ckptstore.format import manifest
+from ckptstore.format.layout import manifest_name
+from ckptstore.model import BlobRow, FileRow, StepRecord, TensorRow
 
 
 def example():
-    return Manifest(
+    return StepRecord(
         step=6, created_at="2026-01-01T00:00:00+00:00", world_size=2, description='{"a":1}',
         layer_sources={"embed": 4, "layers.0": 6},
         tensors=[TensorRow(6, "layers.0", "layers.0.w", "fp32", 0, 12, "ab" * 16)],
@@ -21,12 +22,12 @@ def example():
 
 
 def test_manifest_round_trips():
-    manifest = example()
-    assert Manifest.decode(manifest.encode()) == manifest
+    record = example()
+    assert manifest.decode(manifest.encode(record)) == record
 
 
 def test_manifest_bytes_are_pinned():
-    assert example().encode() == (
+    assert manifest.encode(example()) == (
         b'{"blobs":[["' + b"ab" * 16 + b'",40,48]],"created_at":"2026-01-01T00:00:00+00:00",'
         b'"description":{"a":1},"layers":[["embed",4],["layers.0",6]],"step":6,'
         b'"tensors":[["layers.0","layers.0.w","fp32",0,12,"' + b"ab" * 16 + b'"]],"version":1,"world_size":2}'
@@ -34,33 +35,51 @@ def test_manifest_bytes_are_pinned():
     assert manifest_name(6) == "manifests/000000000006.json"
 
 
+def test_inherited_rows_decode_with_their_source_step():
+    record = dataclasses.replace(
+        example(),
+        tensors=[*example().tensors, TensorRow(4, "embed", "embed.w", "fp32", 0, 8, "cd" * 16)],
+        blobs=[*example().blobs, BlobRow("cd" * 16, 30, 32)],
+    )
+    decoded = manifest.decode(manifest.encode(record))
+    assert decoded == record
+    assert decoded.tensors_by_source() == {6: [record.tensors[0]], 4: [record.tensors[1]]}
+    assert decoded.layers_saved == ["layers.0"]
+
+
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_raise_corrupt(data):
     try:
-        Manifest.decode(data)
+        manifest.decode(data)
     except CorruptError:
         pass
 
 
-def test_a_newer_manifest_version_is_refused():
-    data = example().encode().replace(b'"version":1', b'"version":2')
-    with pytest.raises(CorruptError, match="version 2"):
-        Manifest.decode(data)
+def test_a_newer_manifest_version_is_refused_as_unsupported():
+    data = manifest.encode(example()).replace(b'"version":1', b'"version":2')
+    with pytest.raises(UnsupportedError, match="manifest has format version 2"):
+        manifest.decode(data)
+
+
+def test_a_manifest_without_a_version_is_corrupt():
+    data = manifest.encode(example()).replace(b'"version":1', b'"version":"one"')
+    with pytest.raises(CorruptError, match="no valid format version"):
+        manifest.decode(data)
 
 
 def test_update_statistics_and_files_are_encoded_only_when_present():
-    manifest = dataclasses.replace(
+    record = dataclasses.replace(
         example(),
         updates={"embed": (4, None), "layers.0": (4, 0.25)},
         files=[FileRow("config.json", "cd" * 16, 7)],
     )
-    assert manifest.encode() == (
+    assert manifest.encode(record) == (
         b'{"blobs":[["' + b"ab" * 16 + b'",40,48]],"created_at":"2026-01-01T00:00:00+00:00",'
         b'"description":{"a":1},"files":[["config.json","' + b"cd" * 16 + b'",7]],'
         b'"layers":[["embed",4],["layers.0",6]],"step":6,'
         b'"tensors":[["layers.0","layers.0.w","fp32",0,12,"' + b"ab" * 16 + b'"]],'
         b'"updates":[["embed",4,null],["layers.0",4,0.25]],"version":1,"world_size":2}'
     )
-    assert Manifest.decode(manifest.encode()) == manifest
+    assert manifest.decode(manifest.encode(record)) == record
     unmeasured = dataclasses.replace(example(), updates={"embed": (None, None)})
-    assert unmeasured.encode() == example().encode()  # a first commit measures nothing
+    assert manifest.encode(unmeasured) == manifest.encode(example())  # a first commit measures nothing

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import ckptstore
-from ckptstore import codec
+from ckptstore.format import codec
 from tools.engines import batches, build_engine, train
 
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptstore import plainstate
 from ckptstore.errors import CorruptError, UnsupportedError
+from ckptstore.format import plainstate
 
 
 def test_deepspeed_like_state_round_trips_exactly():

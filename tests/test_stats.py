@@ -6,9 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptstore import stats
-from ckptstore.catalog import BlobRow, Catalog, FileRow, TensorRow
-from ckptstore.deepspeed.layout import FP32, WEIGHT, Piece
+from ckptstore.catalog import Catalog
+from ckptstore.commit import stats
+from ckptstore.model import FP32, WEIGHT, BlobRow, FileRow, Piece, StepRecord, TensorRow
 
 
 def test_sample_positions_are_one_per_stratum_and_not_one_column():
@@ -63,15 +63,17 @@ def test_dropping_a_step_keeps_the_samples_a_kept_step_inherits(tmp_path):
     catalog = Catalog(tmp_path / "c.db")
     for step, sources in ((1, {"a": 1, "b": 1}), (2, {"a": 1, "b": 2})):
         saved = [layer for layer, source in sources.items() if source == step]
-        catalog.record_step(
+        record = StepRecord(
             step=step, created_at="2026-01-01T00:00:00+00:00", world_size=1, description="{}",
             layer_sources=sources,
             tensors=[TensorRow(step, layer, f"{layer}.w", "fp32", 0, 4, f"k{step}{layer}") for layer in saved],
-            blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer in saved], blobs_added=1, bytes_added=10,
+            blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer in saved],
             updates={"a": (1, 0.5)} if step == 2 else {},
-            samples={f"{layer}.w": sample([step]) for layer in saved},
             files=[FileRow("config.json", "f" * 32, 2)],
         )  # fmt: skip
+        catalog.record_step(
+            record, blobs_added=1, bytes_added=10, samples={f"{layer}.w": sample([step]) for layer in saved}
+        )
     assert [(r.layer, r.source, r.update, r.update_since) for r in catalog.layer_rows(2)] == [
         ("a", 1, 0.5, 1),
         ("b", 2, None, None),

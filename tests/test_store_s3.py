@@ -12,7 +12,7 @@ import pytest
 
 import ckptstore
 from ckptstore.errors import ConflictError, NotFoundError, StorageError
-from ckptstore.manifest import manifest_name
+from ckptstore.format.layout import manifest_name
 from tests.dist_worker import matches_store
 from tests.moto_s3 import inject_faults
 from tests.test_many_ranks import torchrun
@@ -99,7 +99,7 @@ def test_the_manifest_is_the_commit_point(s3, machine, small_engine, monkeypatch
     # Dies after its manifest, before the local index has it: committed, seen on every open.
     store = ckptstore.open(s3.uri())
 
-    def crash(**_):
+    def crash(*_, **__):
         raise RuntimeError("killed after the manifest")
 
     monkeypatch.setattr(store.catalog, "record_step", crash)
@@ -208,3 +208,16 @@ def test_a_corrupt_cache_index_is_rebuilt_on_open(s3, machine, small_engine):
     (index,) = cache.rglob("catalog.db")
     index.write_bytes(b"this is not a database" * 100)
     assert ckptstore.open(s3.uri()).steps() == [2]
+
+
+def test_manifests_are_written_in_one_request_even_past_the_multipart_threshold(
+    s3, machine, small_engine, monkeypatch
+):
+    # A real S3-compatible server let two racing multipart completions with If-None-Match both
+    # succeed: a commit point must be one create-only PutObject. A multipart ETag ends in -<parts>.
+    machine("a")
+    monkeypatch.setenv("CKPTSTORE_S3_MULTIPART_THRESHOLD", "1")
+    ckptstore.open(s3.uri()).commit(small_engine, step=1)
+    etag = {key: s3.client.head_object(Bucket=s3.bucket, Key=key)["ETag"] for key in s3.keys("run/")}
+    assert "-" not in etag["run/" + manifest_name(1)]
+    assert all("-" in tag for key, tag in etag.items() if key.startswith("run/blobs/"))

@@ -22,10 +22,10 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
     import torch
 
     import ckptstore
-    from ckptstore.catalog import BlobRow, TensorRow
-    from ckptstore.codec import encode
-    from ckptstore.manifest import Manifest, manifest_name
-    from ckptstore.store import blob_name
+    from ckptstore.format import manifest
+    from ckptstore.format.codec import encode
+    from ckptstore.format.layout import blob_name, manifest_name
+    from ckptstore.model import BlobRow, StepRecord, TensorRow
 
     store = ckptstore.open(path)
     root = Path(store.objects.root)
@@ -53,9 +53,9 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
                           "description": "{}", "layers_saved": len(saved), "bytes_added": 0, "blobs_added": len(saved)})  # fmt: skip
         layer_rows += [{"step": step, "layer": layer, "position": i, "source_step": sources[layer]}
                        for i, layer in enumerate(names)]  # fmt: skip
-        manifest = Manifest(step, "2026-01-01T00:00:00+00:00", 1, "{}", dict(sources), rows,
+        record = StepRecord(step, "2026-01-01T00:00:00+00:00", 1, "{}", dict(sources), rows,
                             [blob_rows[r.blob] for r in rows])  # fmt: skip
-        write(manifest_name(step), manifest.encode())
+        write(manifest_name(step), manifest.encode(record))
     db = store.catalog.db
     with db.atomic():
         db["steps"].insert_all(step_rows, batch_size=5000)

@@ -13,22 +13,11 @@ from typing import Any
 
 import torch
 
-from .. import plainstate
-from ..codec import dtype_name
 from ..errors import UnsupportedError
-from .layout import (
-    BASIC,
-    BF16_OPTIMIZER,
-    BUFFER,
-    FP16_OPTIMIZER,
-    FP32,
-    WEIGHT,
-    ZERO3,
-    ZERO12,
-    Piece,
-    Snapshot,
-    zero3_slice,
-)
+from ..format import plainstate
+from ..format.codec import dtype_name
+from ..model import BUFFER, FP32, WEIGHT, Piece, Snapshot
+from .layout import BASIC, BF16_OPTIMIZER, FP16_OPTIMIZER, ZERO3, ZERO12, zero3_bounds, zero3_slice
 
 # Model-states keys rebuilt by the writer from pieces and layout; everything else is kept as is.
 _LAYOUT_MODEL_KEYS = {
@@ -107,11 +96,9 @@ def _cut_flat(
         numel = int(torch.Size(shape).numel())
         lo, hi = max(offset, flat_start), min(offset + numel, end)
         if lo < hi:
-            chunk = partition[lo - flat_start : hi - flat_start]
-            if hi - lo == numel:
-                pieces.append(Piece(name, kind, 0, chunk.view(shape)))
-            else:
-                pieces.append(Piece(name, kind, lo - offset, chunk))
+            pieces.append(
+                Piece.cut(name, kind, lo - offset, partition[lo - flat_start : hi - flat_start], shape)
+            )
         offset += numel
 
 
@@ -149,18 +136,11 @@ def _extract_zero3(engine: Any, osd: dict, param_shapes: list, rank: int, pieces
         flats = {FP32: osd["fp32_flat_groups"][i], **tensors}
         offset = 0
         for name, shape in shapes.items():
-            numel = int(shape.numel())
-            part = zero3_slice(numel, world_size)
-            first = rank * part
-            count = max(0, min(part, numel - first))
+            first, count = zero3_bounds(int(shape.numel()), world_size, rank)
             if count:
                 for kind, flat in flats.items():
-                    chunk = flat[offset : offset + count]
-                    if count == numel:
-                        pieces.append(Piece(name, kind, 0, chunk.view(shape)))
-                    else:
-                        pieces.append(Piece(name, kind, first, chunk))
-            offset += part
+                    pieces.append(Piece.cut(name, kind, first, flat[offset : offset + count], shape))
+            offset += zero3_slice(int(shape.numel()), world_size)
     groups = []
     for param_group in torch_osd["param_groups"]:
         subgroups = [list(param_shapes[i].keys()) for i in param_group["params"]]
@@ -286,10 +266,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         # range of its own master fragment, and only where the two differ.
         flat = tensor.reshape(-1)
         for master in fp32_by_name.get(key, []):
-            numel = master.tensor.numel()
-            whole = master.start == 0 and numel == flat.numel()
-            weight = tensor if whole else flat[master.start : master.start + numel]
-            pieces.append(Piece(key, WEIGHT, master.start, weight, unless_equal_to=master.tensor))
+            weight = flat[master.start : master.start + master.tensor.numel()]
+            pieces.append(
+                Piece.cut(key, WEIGHT, master.start, weight, tensor.shape, unless_equal_to=master.tensor)
+            )
 
     extra_model = {k: v for k, v in model_state.items() if k not in _LAYOUT_MODEL_KEYS}
     extra_optim = {k: v for k, v in osd.items() if k not in _LAYOUT_OPTIM_KEYS} if flavour != BASIC else {}
@@ -316,11 +296,6 @@ def _zero3_shape(model_state: dict, name: str) -> torch.Size:
 
 
 def _add_zero3_frozen(name: str, shape, fragment: torch.Tensor, rank: int, world_size: int, pieces) -> None:
-    numel = int(torch.Size(shape).numel())
-    part = zero3_slice(numel, world_size)
-    first = rank * part
-    count = max(0, min(part, numel - first))
-    if count == numel:
-        pieces.append(Piece(name, WEIGHT, 0, fragment[:count].view(shape)))
-    elif count:
-        pieces.append(Piece(name, WEIGHT, first, fragment[:count]))
+    first, count = zero3_bounds(int(torch.Size(shape).numel()), world_size, rank)
+    if count:
+        pieces.append(Piece.cut(name, WEIGHT, first, fragment[:count], shape))

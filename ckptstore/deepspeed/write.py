@@ -23,21 +23,13 @@ from typing import Protocol
 
 import torch
 
-from .. import knobs, plainstate
-from ..codec import DTYPES, raw_bytes
+from .. import knobs
 from ..errors import CorruptError
+from ..format import plainstate
+from ..format.codec import DTYPES, raw_bytes
+from ..model import BUFFER, FP32, WEIGHT
 from ..progress import progress_bar
-from .layout import (
-    BASIC,
-    BF16_OPTIMIZER,
-    BUFFER,
-    FP32,
-    WEIGHT,
-    ZERO3,
-    ZERO12,
-    flat_partition_size,
-    zero3_slice,
-)
+from .layout import BASIC, BF16_OPTIMIZER, ZERO3, ZERO12, flat_partition_size, zero3_bounds, zero3_slice
 from .torchfile import pwrite_all, save_skeleton, storage_bytes
 
 
@@ -203,10 +195,8 @@ class _Writer:
         if self.stage < 3:
             return self.stored(name, WEIGHT)
         numel = self.shape(name).numel()
-        part = zero3_slice(numel, self.world_size)
-        fragment = self.holes.new(part, self.dtype(name, WEIGHT))
-        start = rank * part
-        self.holes.place(fragment, Segment(name, WEIGHT, start, max(0, min(part, numel - start)), 0))
+        fragment = self.holes.new(zero3_slice(numel, self.world_size), self.dtype(name, WEIGHT))
+        self.holes.place(fragment, Segment(name, WEIGHT, *zero3_bounds(numel, self.world_size, rank), 0))
         return fragment
 
     def param_shapes(self) -> list[OrderedDict]:
@@ -311,8 +301,9 @@ class _Writer:
                         flat[kind] = self.holes.new(sum(parts), self.group_dtype(names, kind))
                         offset = 0
                         for name, numel, part in zip(names, numels, parts, strict=True):
-                            count = max(0, min(part, numel - r * part))
-                            self.holes.place(flat[kind], Segment(name, kind, r * part, count, offset))
+                            self.holes.place(
+                                flat[kind], Segment(name, kind, *zero3_bounds(numel, W, r), offset)
+                            )
                             offset += part
                     out["fp32"].append(flat[FP32])
                     out["state"][index] = {**scalars, **{kind: flat[kind] for kind in kinds}}

@@ -48,13 +48,16 @@ class ObjectStore(abc.ABC):
     reads_are_local: bool = False
 
     @abc.abstractmethod
-    def put_if_absent(self, name: str, data: Data) -> bool:
+    def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
         """Store ``data`` under ``name`` unless it exists; True if this call created it.
 
         ``data`` is one buffer, or a list of buffers that make the object in order (a blob's
         header and byte planes, written without first joining them). When it returns, the
         object is durable (fsynced / acknowledged by the server). An existing object is left
         as it is (its time is freshened so a concurrent gc treats it as new).
+        ``single_request`` writes the object in one create-only request however large it is,
+        never in parts: what a commit point needs, since a real S3-compatible server was seen
+        to let two racing multipart completions with ``If-None-Match`` both succeed.
         """
 
     @abc.abstractmethod

@@ -71,7 +71,8 @@ class LocalObjectStore(ObjectStore):
     def _path(self, name: str) -> Path:
         return self.root.joinpath(*check_name(name).split("/"))
 
-    def put_if_absent(self, name: str, data: Data) -> bool:
+    def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
+        # One rename publishes the whole file: every local write is a single request.
         path = self._path(name)
         if path.exists():
             self._freshen(path)

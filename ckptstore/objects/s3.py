@@ -33,7 +33,6 @@ missing credentials a permanent StorageError; what survives the retries a transi
 from __future__ import annotations
 
 import io
-import random
 import re
 import threading
 import time
@@ -62,6 +61,7 @@ from botocore.exceptions import (
 from .. import knobs
 from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError
 from . import Data, ObjectInfo, ObjectStore, check_name, data_size, joined
+from .retry import retry
 
 T = TypeVar("T")
 
@@ -101,6 +101,19 @@ def _create_only(params: dict, **_: Any) -> None:
 def _code(exc: ClientError) -> tuple[str, int | None]:
     error = exc.response.get("Error", {})
     return str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
+
+def _is_precondition_failed(exc: ClientError) -> bool:
+    code, status = _code(exc)
+    return status == 412 or code == "PreconditionFailed"
+
+
+def _is_conflict(exc: Exception) -> bool:
+    # 412 wins: a write that found the key already there is finished, so never retried.
+    if not isinstance(exc, ClientError) or _is_precondition_failed(exc):
+        return False
+    code, status = _code(exc)
+    return status == 409 or code == "ConditionalRequestConflict"
 
 
 def _is_missing(exc: Exception) -> bool:
@@ -212,11 +225,11 @@ class S3ObjectStore(ObjectStore):
 
     # -- writing ---------------------------------------------------------------------------
 
-    def put_if_absent(self, name: str, data: Data) -> bool:
+    def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
         key = self._key(name)
         data = joined(data)
         size = data_size(data)
-        if size >= knobs.s3_multipart_threshold():
+        if size >= knobs.s3_multipart_threshold() and not single_request:
             if self.touch(name) is not None:  # there already (and now freshened)
                 return False
 
@@ -235,22 +248,15 @@ class S3ObjectStore(ObjectStore):
         return created
 
     def _put_create_only(self, name: str, put: Callable[[], None]) -> bool:
-        attempts = knobs.s3_max_attempts()
-        for attempt in range(attempts):
-            try:
-                put()
-                return True
-            except ClientError as exc:
-                code, status = _code(exc)
-                if status == 412 or code == "PreconditionFailed":
-                    return False
-                if (status == 409 or code == "ConditionalRequestConflict") and attempt + 1 < attempts:
-                    time.sleep(random.uniform(0, 0.05 * 2**attempt))
-                    continue
-                raise self._error("write", name, exc) from None
-            except BotoCoreError as exc:
-                raise self._error("write", name, exc) from None
-        raise AssertionError("unreachable")
+        try:
+            retry(put, attempts=knobs.s3_max_attempts(), should_retry=_is_conflict)
+            return True
+        except ClientError as exc:
+            if _is_precondition_failed(exc):
+                return False
+            raise self._error("write", name, exc) from None
+        except BotoCoreError as exc:
+            raise self._error("write", name, exc) from None
 
     def touch(self, name: str) -> int | None:
         # S3 has no utime: an object's LastModified changes only when it is written. Copying an
@@ -351,22 +357,26 @@ class S3ObjectStore(ObjectStore):
             args["Range"] = f"bytes={start}-{start + length - 1}"
         if etag is not None:
             args["IfMatch"] = etag
-        attempts = knobs.s3_max_attempts()
-        for attempt in range(attempts):
+        reading = False
+
+        def request() -> tuple[dict, bytes]:
+            nonlocal reading
+            reading = False
             response = self.client.get_object(**args)
-            try:
-                data = response["Body"].read()
-            except _STREAM_ERRORS:
-                # botocore retried the request, not the body that broke off afterwards.
-                if attempt + 1 == attempts:
-                    raise
-                time.sleep(random.uniform(0, 0.05 * 2**attempt))
-                continue
-            content_range = response.get("ContentRange")
-            # "bytes 0-99/12345"; absent when the server sent the whole object.
-            total = int(content_range.rsplit("/", 1)[1]) if content_range else len(data)
-            return data, total, response["ETag"]
-        raise AssertionError("unreachable")
+            reading = True
+            return response, response["Body"].read()
+
+        # botocore retried the request, not the body that broke off afterwards: only a failed
+        # read is retried here (a request that failed has used up botocore's attempts already).
+        response, data = retry(
+            request,
+            attempts=knobs.s3_max_attempts(),
+            should_retry=lambda exc: reading and isinstance(exc, _STREAM_ERRORS),
+        )
+        content_range = response.get("ContentRange")
+        # "bytes 0-99/12345"; absent when the server sent the whole object.
+        total = int(content_range.rsplit("/", 1)[1]) if content_range else len(data)
+        return data, total, response["ETag"]
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix.startswith("/"):

@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from .catalog import Catalog
-from .errors import BadInputError, NotFoundError
-from .layers import block_index, is_block
+from ..catalog import Catalog
+from ..errors import BadInputError, NotFoundError, require_int
+from ..layers import block_index, is_block
 
 Spec = str | os.PathLike | Mapping[str, Any]
 _KEYS = ("state", "slices", "aux")
@@ -68,14 +68,8 @@ def load(spec: Spec) -> Mapping[str, Any]:
     return loaded
 
 
-def _int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadInputError(f"compose spec: {where} must be an integer, not {value!r}")
-    return value
-
-
 def _known_step(catalog: Catalog, value: Any, where: str) -> int:
-    step = _int(value, where)
+    step = require_int(value, f"compose spec: {where}")
     try:
         catalog.description(step)
     except NotFoundError as exc:
@@ -115,7 +109,7 @@ def plan(spec: Spec, catalog: Catalog) -> ComposePlan:
         bounds = entry["layer_range"]
         if not isinstance(bounds, list) or len(bounds) != 2:
             raise BadInputError(f"compose spec: {where}.layer_range must be [start, end], not {bounds!r}")
-        start, end = (_int(b, f"{where}.layer_range") for b in bounds)
+        start, end = (require_int(b, f"compose spec: {where}.layer_range") for b in bounds)
         step = _known_step(catalog, entry["step"], f"{where}.step")
         if not 0 <= start < end:
             raise BadInputError(f"compose spec: {where}.layer_range [{start}, {end}] is empty or negative")

@@ -17,15 +17,16 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from . import knobs
-from .deepspeed.layout import Piece, Snapshot
-from .errors import CkptStoreError
+from .. import knobs
+from ..errors import CkptStoreError
+from ..model import Piece, Snapshot
 
 
 class SnapshotBuffers:
@@ -183,6 +184,32 @@ class CommitQueue:
             handle = CommitHandle(step, self._pool.submit(fn))
             self._pending = handle
             return handle
+
+    def submit_snapshot(
+        self, step: int, engine: Any, snapshot: Snapshot, commit: Callable[[Snapshot], Any]
+    ) -> CommitHandle:
+        """Copy ``snapshot`` (views of ``engine``'s live tensors) into host buffers in the
+        background, then run ``commit(copy)`` there too. Training goes on meanwhile; the
+        engine's next optimizer step waits until the copy has landed. Without a torch
+        optimizer to hold, the copy is taken here before returning."""
+        if not self.gate.guard(engine):
+            copy = self.buffers.copy(snapshot)
+            return self.submit(step, lambda: commit(copy))
+        ready = device_ready(snapshot)
+
+        def copy_then_commit() -> Any:
+            try:
+                copy = self.buffers.copy(snapshot, ready)
+            finally:
+                self.gate.open()  # the engine's next optimizer step may run
+            return commit(copy)
+
+        self.gate.close()
+        try:
+            return self.submit(step, copy_then_commit)
+        except BaseException:
+            self.gate.open()
+            raise
 
     def wait(self) -> Any:
         """Wait for the commit in flight, if any; raises its error once."""

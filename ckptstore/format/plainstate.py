@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from ..errors import CorruptError, UnsupportedError
 from .codec import DTYPES, dtype_name
-from .errors import CorruptError, UnsupportedError
 
 # Objects rebuilt from their attribute dict. Only these classes are ever instantiated on read.
 ALLOWED_OBJECTS = {

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import errors
-from .errors import CkptStoreError
+from .. import errors
+from ..errors import CkptStoreError
 
 T = TypeVar("T")
 

@@ -16,16 +16,12 @@ from concurrent.futures import Future
 
 import torch
 
-from . import codec, knobs
-from .catalog import BlobRow, TensorRow
-from .deepspeed.layout import FP32
-from .errors import CorruptError, NotFoundError, UnsupportedError
-from .objects import ObjectStore
-
-
-def blob_name(key: str) -> str:
-    """Object name of the blob with content key ``key``."""
-    return f"blobs/{key[:2]}/{key}"
+from .. import knobs
+from ..errors import CorruptError, NotFoundError, UnsupportedError
+from ..format import codec
+from ..format.layout import blob_name
+from ..model import FP32, BlobRow, TensorRow
+from ..objects import ObjectStore
 
 
 def fetch_blob(objects: ObjectStore, key: str, cpu: threading.Semaphore) -> torch.Tensor:
@@ -116,6 +112,8 @@ class StepReader:
             raise CorruptError(
                 f"blob {key} ({where}) is corrupt: {exc}; step {self.step} cannot be materialized"
             ) from None
+        except UnsupportedError as exc:
+            raise UnsupportedError(f"blob {key} ({where}): {exc}") from None
 
     def dtype(self, name: str, kind: str) -> torch.dtype | None:
         """The dtype of the stored ``kind`` of ``name`` without reading it, or None if none is stored.

@@ -25,8 +25,9 @@ import torch
 import xxhash
 import zstandard
 
-from . import knobs
-from .errors import CorruptError, UnsupportedError
+from .. import knobs
+from ..errors import CorruptError, UnsupportedError
+from .config import check_version
 
 MAGIC = b"CKPB"
 FORMAT_VERSION = 1
@@ -210,10 +211,7 @@ def parse_header(blob: bytes | memoryview) -> BlobInfo:
         if bytes(view[:4]) != MAGIC:
             raise CorruptError("not a ckptstore blob (bad magic)")
         version, codec, name_len = struct.unpack_from("<BBB", view, 4)
-        if version != FORMAT_VERSION:
-            raise CorruptError(
-                f"blob format version {version} is not supported (this ckptstore reads {FORMAT_VERSION})"
-            )
+        check_version("blob", version, FORMAT_VERSION)
         if codec not in CODECS:
             raise CorruptError(f"unknown blob codec {codec}")
         offset = 7

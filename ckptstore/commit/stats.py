@@ -30,9 +30,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import knobs
-from .deepspeed.layout import FP32, WEIGHT, Piece
-from .layers import layer_of
+from .. import knobs
+from ..layers import layer_of
+from ..model import FP32, WEIGHT, Piece
 
 # A rank's share of the samples: parameter name -> [(index of its first sample, float32 bytes)].
 RankSamples = dict[str, list[tuple[int, bytes]]]

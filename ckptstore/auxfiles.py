@@ -1,7 +1,7 @@
 """Auxiliary files (``config.json``, tokenizer files) kept with a step and copied out by materialize.
 
-Files are opaque bytes, stored once each under ``files/<ab>/<key>`` (key: xxh3-128 of the
-bytes), a namespace apart from the tensor blobs so blob verification never mistakes them for
+Files are opaque bytes, stored once each under ``format.layout.file_name(key)`` (key: xxh3-128 of
+the bytes), a namespace apart from the tensor blobs so blob verification never mistakes them for
 tensors. A step records ``(path, key, size)`` per file in its manifest and catalog rows; the
 path is where materialize puts the file, relative to the output directory.
 """
@@ -15,19 +15,15 @@ from pathlib import Path, PurePosixPath
 import xxhash
 
 from . import knobs
-from .catalog import FileRow
 from .errors import BadInputError, CorruptError, NotFoundError
+from .format.layout import file_name
+from .model import FileRow
 from .objects import ObjectStore
 
 # Names the DeepSpeed writer puts in an output directory: a file must not replace them.
 _RESERVED = ("latest", "zero_to_fp32.py", "zero_to_torch.py")
 
 FileSpec = str | os.PathLike | Iterable[str | os.PathLike]
-
-
-def file_name(key: str) -> str:
-    """Object name of the stored file with content key ``key``."""
-    return f"files/{key[:2]}/{key}"
 
 
 def file_key(data: bytes) -> str:

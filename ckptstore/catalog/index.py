@@ -1,6 +1,6 @@
 """The SQLite catalog: which steps exist, which blob every layer's tensors map to, step state.
 
-Schema changes only through ``migrations/`` (shipped as ``ckptstore.migrations``). Opening a
+Schema changes only through ``migrations/`` (shipped as ``ckptstore.catalog.migrations``). Opening a
 catalog applies pending migrations and refuses one whose schema is newer than this code.
 A step becomes visible by ``record_step``, one transaction that writes every row of the step.
 """
@@ -12,73 +12,13 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from sqlite_utils import Database
 
-from .errors import ConflictError, CorruptError, NotFoundError, UnsupportedError
-from .layers import layer_of
-
-
-@dataclass(frozen=True)
-class TensorRow:
-    """One stored tensor (or fragment) of a layer saved at ``step``."""
-
-    step: int
-    layer: str
-    name: str
-    kind: str
-    start: int
-    numel: int
-    blob: str
-
-
-@dataclass(frozen=True)
-class BlobRow:
-    """A blob's key with its stored and uncompressed sizes."""
-
-    key: str
-    size: int
-    raw_size: int
-
-
-@dataclass(frozen=True)
-class FileRow:
-    """An auxiliary file of a step: its path in the checkpoint directory, content key and size."""
-
-    path: str
-    key: str
-    size: int
-
-
-@dataclass(frozen=True)
-class LayerRow:
-    """One layer of a step, as ``ckptstore show`` shows it.
-
-    ``bytes``/``raw_bytes``: stored and uncompressed size of the layer's distinct blobs at
-    ``source``; ``update``: its relative change since ``update_since`` measured at this step.
-    """
-
-    layer: str
-    source: int
-    bytes: int
-    raw_bytes: int
-    update: float | None
-    update_since: int | None
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """Summary of a committed step, as ``ckptstore log`` shows it."""
-
-    step: int
-    created_at: str
-    world_size: int
-    layers_saved: int
-    layers_total: int
-    bytes_added: int
-    blobs_added: int
+from ..errors import ConflictError, CorruptError, NotFoundError, UnsupportedError
+from ..layers import layer_of
+from ..model import BlobRow, FileRow, LayerRow, StepRecord, StepRow, TensorRow, group_by_source
 
 
 class Catalog:
@@ -303,53 +243,68 @@ class Catalog:
 
     def record_step(
         self,
+        record: StepRecord,
         *,
-        step: int,
-        created_at: str,
-        world_size: int,
-        description: str,
-        layer_sources: dict[str, int],
-        tensors: list[TensorRow],
-        blobs: list[BlobRow],
-        blobs_added: int,
-        bytes_added: int,
-        updates: dict[str, tuple[int | None, float | None]] | None = None,
+        blobs_added: int | None = None,
+        bytes_added: int | None = None,
         samples: dict[str, bytes] | None = None,
-        files: list[FileRow] | None = None,
-    ) -> None:
-        """Write every row of a step in one transaction: all of it becomes visible, or none.
+        if_absent: bool = False,
+    ) -> bool:
+        """Write every row of ``record`` in one transaction: all of it becomes visible, or none.
 
-        ``updates``: layer -> (step compared with, relative update); ``samples``: parameter
-        name -> update-statistics sample (ckptstore.stats); ``files``: auxiliary files.
+        Tensor rows of inherited layers belong to their source step and are added only where
+        the catalog lacks them (their step was dropped, or was never in this catalog).
+        ``blobs_added`` / ``bytes_added`` default to the record's blobs this catalog did not
+        know yet. ``samples``: parameter name -> update-statistics sample (commit.stats), kept
+        only on the committing machine. Returns True; an existing step raises ConflictError,
+        or returns False with ``if_absent`` (another process sharing the catalog recorded it).
         """
-        updates = updates or {}
+        step = record.step
         with self.write_transaction():
             if self.has_step(step):
+                if if_absent:
+                    return False
                 raise ConflictError(f"step {step} is already committed")
+            rows = []
+            for source, source_rows in group_by_source(record.tensors).items():
+                present = (
+                    set()
+                    if source == step
+                    else {r.layer for r in self.tensors(source, {r.layer for r in source_rows})}
+                )
+                rows.extend(row for row in source_rows if row.layer not in present)
+            if blobs_added is None or bytes_added is None:
+                known = self.blob_sizes(b.key for b in record.blobs)
+                new = [b for b in record.blobs if b.key not in known]
+                blobs_added, bytes_added = len(new), sum(b.size for b in new)
             self.db["steps"].insert(
                 {
                     "step": step,
-                    "created_at": created_at,
-                    "world_size": world_size,
-                    "description": description,
-                    "layers_saved": sum(1 for s in layer_sources.values() if s == step),
+                    "created_at": record.created_at,
+                    "world_size": record.world_size,
+                    "description": record.description,
+                    "layers_saved": len(record.layers_saved),
                     "bytes_added": bytes_added,
                     "blobs_added": blobs_added,
                 }
             )
+            unmeasured = (None, None)
             self.db["layers"].insert_all(
                 {"step": step, "layer": layer, "position": i, "source_step": source,
-                 "update_since": updates.get(layer, (None, None))[0],
-                 "update_size": updates.get(layer, (None, None))[1]}
-                for i, (layer, source) in enumerate(layer_sources.items())
+                 "update_since": record.updates.get(layer, unmeasured)[0],
+                 "update_size": record.updates.get(layer, unmeasured)[1]}
+                for i, (layer, source) in enumerate(record.layer_sources.items())
             )  # fmt: skip
             self.db["tensors"].insert_all(
                 {"step": t.step, "layer": t.layer, "name": t.name, "kind": t.kind,
                  "start": t.start, "numel": t.numel, "blob": t.blob}
-                for t in tensors
+                for t in rows
             )  # fmt: skip
             self.db["blobs"].insert_all(
-                ({"key": b.key, "size": b.size, "raw_size": b.raw_size, "first_step": step} for b in blobs),
+                (
+                    {"key": b.key, "size": b.size, "raw_size": b.raw_size, "first_step": step}
+                    for b in record.blobs
+                ),
                 ignore=True,
             )
             self.db["samples"].insert_all(
@@ -357,8 +312,9 @@ class Catalog:
                 for name, sample in (samples or {}).items()
             )
             self.db["files"].insert_all(
-                {"step": step, "path": f.path, "key": f.key, "size": f.size} for f in files or []
+                {"step": step, "path": f.path, "key": f.key, "size": f.size} for f in record.files
             )
+        return True
 
     def drop_steps(self, steps: Iterable[int]) -> None:
         """Remove step records in one transaction, keeping tensor rows that kept steps inherit."""

@@ -1,0 +1,89 @@
+"""The commit point: a step's record built once, then published as manifest and catalog rows.
+
+Write order: every blob first (``commit.blobs``), then the manifest, then the catalog rows.
+On a local store the catalog transaction is the commit point; a manifest left by a commit
+that died before it is not a step, and the next commit of that step replaces it. On an S3
+store the manifest, written create-only in one request, is the commit point, and the
+catalog only indexes it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from ..catalog import Catalog
+from ..errors import ConflictError
+from ..format import manifest
+from ..format.layout import manifest_name
+from ..model import BlobRow, FileRow, StepRecord, TensorRow, Updates, layers_by_source
+from ..objects import ObjectStore
+
+
+def build_record(
+    catalog: Catalog,
+    step: int,
+    world_size: int,
+    description: dict,
+    layer_sources: dict[str, int],
+    rows: list[TensorRow],
+    blobs: list[BlobRow],
+    updates: Updates,
+    files: list[FileRow],
+) -> StepRecord:
+    """The step's record: its own ``rows`` and ``blobs`` plus, from the catalog, the rows and
+    blob sizes of every layer it inherits, so that the record stands alone."""
+    inherited = [
+        row
+        for source, layers in layers_by_source(layer_sources).items()
+        if source != step
+        for row in catalog.tensors(source, layers)
+    ]
+    all_blobs = {**catalog.blob_sizes(row.blob for row in inherited), **{blob.key: blob for blob in blobs}}
+    return StepRecord(
+        step=step,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        world_size=world_size,
+        description=json.dumps(description, sort_keys=True, separators=(",", ":")),
+        layer_sources=layer_sources,
+        tensors=rows + inherited,
+        blobs=list(all_blobs.values()),
+        updates=updates,
+        files=files,
+    )
+
+
+def publish(
+    objects: ObjectStore,
+    catalog: Catalog,
+    record: StepRecord,
+    *,
+    manifest_commits: bool,
+    created: dict[str, int],
+    samples: dict[str, bytes],
+) -> None:
+    """Write ``record``'s manifest and catalog rows; the step is committed when it returns.
+
+    ``manifest_commits``: the manifest is the commit point (S3 stores), else the catalog rows
+    are. ``created``: the blobs this commit added (key -> size), for the step's summary;
+    ``samples``: the update-statistics samples of the layers it saved. Raises ConflictError
+    if another writer committed the step first.
+    """
+    name = manifest_name(record.step)
+    data = manifest.encode(record)
+    if manifest_commits:
+        # "Already there" is also the answer to a retried write whose first reply was lost.
+        if not objects.put_if_absent(name, data, single_request=True) and objects.get(name) != data:
+            raise ConflictError(
+                f"step {record.step} is already committed: {objects.uri} got its manifest from another "
+                "writer after this store was opened"
+            )
+    else:
+        # A manifest left by a commit that died before its catalog row is not a step; replace it.
+        objects.delete(name)
+        objects.put_if_absent(name, data, single_request=True)
+    # Where the manifest committed, another process sharing this index may have imported it already.
+    catalog.record_step(
+        record, blobs_added=len(created), bytes_added=sum(created.values()), samples=samples,
+        if_absent=manifest_commits,
+    )  # fmt: skip

@@ -1,0 +1,144 @@
+"""One commit, across every rank: extract, sample, plan, store blobs, then record on rank 0.
+
+Two collective phases, each a barrier that also shares every rank's outcome (``ranks``):
+1. every rank checks the step, extracts its share of the engine's state and samples it;
+2. from every rank's samples each rank measures the same updates, so all plan alike, then
+   stores its own pieces. When the gather returns, every rank's blobs are durable.
+Then rank 0 builds the step's record and publishes it (``record``). The shared gc lock spans
+all of it: a concurrent gc (exclusive) runs wholly before or wholly after the commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import auxfiles, strategies
+from ..catalog import Catalog, sync
+from ..layers import layer_of
+from ..model import BlobRow, FileRow, Snapshot, TensorRow
+from ..objects import ObjectStore
+from . import ranks, stats
+from .blobs import store_pieces
+from .plan import CommitPlan, check_new_step, plan_commit
+from .record import build_record, publish
+
+
+@dataclass
+class CommitReport:
+    """What a commit stored: the step, the layers it saved, and what it added to the store."""
+
+    step: int
+    layers_saved: list[str]
+    layers_inherited: dict[str, int]
+    tensors: int
+    blobs_added: int
+    bytes_added: int
+    # layer -> relative change of its fp32 masters since its last save (None: not measurable)
+    updates: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
+class _RankShare:
+    """What one rank stored, as the other ranks see it (the description comes from rank 0)."""
+
+    description: dict | None
+    world_size: int
+    rows: list[TensorRow]
+    blobs: list[BlobRow]
+    created: dict[str, int]
+
+
+class _RankCommit:
+    """This rank's part of one commit, phase by phase; what a phase learns stays on this rank."""
+
+    def __init__(self, objects: ObjectStore, catalog: Catalog, step: int, background: bool) -> None:
+        self.objects, self.catalog, self.step, self.background = objects, catalog, step, background
+        self.rank_zero = ranks.world()[0] == 0
+        self.snapshot: Snapshot | None = None
+        self.file_entries: list[tuple[str, Path]] | None = None
+        self.plan: CommitPlan | None = None
+        self.samples: dict[str, bytes] = {}
+        self.files: list[FileRow] = []
+
+    def sample(self, take_snapshot, files: auxfiles.FileSpec | None) -> stats.RankSamples:
+        """Phase 1: check the step, take this rank's snapshot and its share of the samples."""
+        check_new_step(self.catalog, self.step)
+        self.file_entries = auxfiles.collect(files) if self.rank_zero and files is not None else None
+        self.snapshot = take_snapshot()
+        return stats.own_samples(self.snapshot.pieces, self.snapshot.description["params"])
+
+    def store(self, sampled: list[stats.RankSamples], selection: strategies.Selection) -> _RankShare:
+        """Phase 2: plan from every rank's samples, then store this rank's pieces of the saved layers."""
+        snapshot, self.snapshot = self.snapshot, None  # the tensors are not needed past this phase
+        description = snapshot.description
+        samples = stats.merge(sampled, description["params"])
+        self.plan = plan = plan_commit(self.catalog, self.step, description, samples, selection)
+        saved = set(plan.saved)
+        pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
+        stored = store_pieces(self.objects, self.step, pieces, background=self.background)
+        if self.rank_zero:
+            self.samples = {name: s for name, s in samples.items() if layer_of(name) in saved}
+            self.files = self._store_files()
+        return _RankShare(
+            description if snapshot.rank == 0 else None, snapshot.world_size,
+            stored.rows, list(stored.blobs.values()), stored.created,
+        )  # fmt: skip
+
+    def _store_files(self) -> list[FileRow]:
+        """The step's auxiliary files, stored; without any given, the previous step's."""
+        if self.file_entries is not None:
+            return auxfiles.store(self.objects, self.file_entries)
+        previous = self.plan.previous
+        return self.catalog.files(previous) if previous is not None else []
+
+
+def commit_step(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int,
+    take_snapshot,
+    *,
+    layers: strategies.Selection = None,
+    files: auxfiles.FileSpec | None = None,
+    manifest_commits: bool = False,
+    background: bool = False,
+) -> CommitReport:
+    """Commit what ``take_snapshot()`` returns on every rank as ``step``; durable when it returns.
+
+    Collective: every rank calls it, and an error on any rank raises on every rank with
+    nothing recorded. ``layers`` chooses the saved layers (``commit.plan.plan_commit``);
+    ``files`` are kept with the step (None keeps the previous step's); ``manifest_commits``
+    makes the manifest the commit point (S3 stores); ``background`` lowers the CPU priority.
+    """
+    what = f"commit of step {step}"
+    own = _RankCommit(objects, catalog, step, background)
+    with objects.lock(exclusive=False):
+        sampled = ranks.on_every_rank(what, lambda: own.sample(take_snapshot, files))
+        shares = ranks.on_every_rank(what, lambda: own.store(sampled, layers))
+        rows = [row for share in shares for row in share.rows]
+        blobs = list({blob.key: blob for share in shares for blob in share.blobs}.values())
+        created = {key: size for share in shares for key, size in share.created.items()}
+        plan = own.plan
+
+        def record() -> None:
+            step_record = build_record(
+                catalog, step, shares[0].world_size, shares[0].description, plan.layer_sources,
+                rows, blobs, plan.updates, own.files,
+            )  # fmt: skip
+            publish(objects, catalog, step_record, manifest_commits=manifest_commits, created=created,
+                    samples=own.samples)  # fmt: skip
+
+        ranks.on_rank_zero(f"recording step {step}", record)
+        if manifest_commits:
+            # Ranks on other machines have their own index: add the step rank 0 committed.
+            sync.import_step(catalog, objects, step)
+    return CommitReport(
+        step=step,
+        layers_saved=plan.saved,
+        layers_inherited={layer: s for layer, s in plan.layer_sources.items() if s != step},
+        tensors=len(rows),
+        blobs_added=len(created),
+        bytes_added=sum(created.values()),
+        updates={layer: update for layer, (_, update) in plan.updates.items()},
+    )

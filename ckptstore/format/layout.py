@@ -1,0 +1,119 @@
+"""Every object name in a store, and parsing names back: the one place that knows the namespaces.
+
+A store holds::
+
+    config.json                    the store config (format version, hash, codec)
+    blobs/<ab>/<key>               one tensor each, named by its content key (32 hex digits)
+    files/<ab>/<key>               one auxiliary file each (config.json, tokenizer files...)
+    manifests/<step, 12 digits>.json   one per committed step: its StepRecord
+
+Names are built and parsed here only, and a name is valid only if building it again from what
+was parsed gives the same name. Anything else under a known prefix is *stray*: listings
+report it beside the valid names so that callers (verify, gc, catalog sync) can say so
+instead of guessing what it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from ..objects import ObjectInfo, ObjectStore
+
+CONFIG = "config.json"
+BLOBS = "blobs/"
+FILES = "files/"
+MANIFESTS = "manifests/"
+
+_KEY = re.compile(r"[0-9a-f]{32}")
+_STEP = re.compile(r"[0-9]{12,}")
+
+T = TypeVar("T")
+
+
+def _keyed(prefix: str, key: str) -> str:
+    return f"{prefix}{key[:2]}/{key}"
+
+
+def blob_name(key: str) -> str:
+    """Object name of the blob with content key ``key``."""
+    return _keyed(BLOBS, key)
+
+
+def file_name(key: str) -> str:
+    """Object name of the stored auxiliary file with content key ``key``."""
+    return _keyed(FILES, key)
+
+
+def manifest_name(step: int) -> str:
+    """Object name of ``step``'s manifest (zero-padded so that names sort by step)."""
+    return f"{MANIFESTS}{step:012d}.json"
+
+
+def _parse_keyed(prefix: str, name: str) -> str | None:
+    key = name.rsplit("/", 1)[-1]
+    return key if _KEY.fullmatch(key) and name == _keyed(prefix, key) else None
+
+
+def parse_blob_name(name: str) -> str | None:
+    """The content key a valid blob name holds; None for anything else."""
+    return _parse_keyed(BLOBS, name)
+
+
+def parse_file_name(name: str) -> str | None:
+    """The content key a valid auxiliary-file name holds; None for anything else."""
+    return _parse_keyed(FILES, name)
+
+
+def parse_manifest_name(name: str) -> int | None:
+    """The step a valid manifest name holds; None for anything else."""
+    if not name.startswith(MANIFESTS) or not name.endswith(".json"):
+        return None
+    digits = name[len(MANIFESTS) : -len(".json")]
+    return int(digits) if _STEP.fullmatch(digits) and manifest_name(int(digits)) == name else None
+
+
+@dataclass
+class Listing(Generic[T]):
+    """The objects under one prefix: valid ones by what their name holds, and stray names."""
+
+    found: dict[T, ObjectInfo] = field(default_factory=dict)
+    stray: list[str] = field(default_factory=list)
+
+    def missing(self, referenced: Iterable[T]) -> list[T]:
+        """The referenced ones that are not stored, sorted."""
+        return sorted(set(referenced) - set(self.found))
+
+    def unreferenced(self, referenced: Iterable[T]) -> dict[T, ObjectInfo]:
+        """The stored ones nothing in ``referenced`` names."""
+        referenced = set(referenced)
+        return {key: info for key, info in self.found.items() if key not in referenced}
+
+
+def _listing(objects: ObjectStore, prefix: str, parse: Callable[[str], T | None]) -> Listing[T]:
+    listing: Listing[T] = Listing()
+    for info in objects.list(prefix):
+        parsed = parse(info.name)
+        if parsed is None:
+            listing.stray.append(info.name)
+        else:
+            listing.found[parsed] = info
+    listing.stray.sort()
+    return listing
+
+
+def list_blobs(objects: ObjectStore) -> Listing[str]:
+    """Every stored blob by content key, and the stray names under ``blobs/``."""
+    return _listing(objects, BLOBS, parse_blob_name)
+
+
+def list_files(objects: ObjectStore) -> Listing[str]:
+    """Every stored auxiliary file by content key, and the stray names under ``files/``."""
+    return _listing(objects, FILES, parse_file_name)
+
+
+def list_manifests(objects: ObjectStore) -> Listing[int]:
+    """Every manifest by step, and the stray names under ``manifests/``."""
+    return _listing(objects, MANIFESTS, parse_manifest_name)

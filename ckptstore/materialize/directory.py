@@ -1,0 +1,102 @@
+"""Materialize: a DeepSpeed checkpoint directory for a step, built aside and swapped into place.
+
+The directory is written into a staging directory beside the output (``deepspeed.write``
+streams the tensors out of a ``StepReader``), the step's auxiliary files are copied in, and
+the staging directory is renamed over the output: ``latest`` never appears in a partial
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from .. import auxfiles
+from ..catalog import Catalog
+from ..errors import BadInputError, ConflictError, CorruptError, require_int
+from ..model import layers_by_source
+from ..objects import ObjectStore
+from . import compose
+from .reader import StepReader
+
+
+def materialize(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int | None,
+    out: str | os.PathLike | None,
+    *,
+    spec: compose.Spec | None = None,
+    world_size: int | None = None,
+    force: bool = False,
+) -> Path:
+    """Write ``step`` (or the step a compose ``spec`` names) as a DeepSpeed directory at ``out``.
+
+    Contract as ``Store.materialize``: returns the absolute output path; nothing is written
+    unless every check passes, and ``out`` never holds a partial checkpoint.
+    """
+    from ..deepspeed.write import write_checkpoint
+
+    if out is None:
+        raise BadInputError("materialize needs an output directory")
+    sources = None
+    if spec is not None:
+        if step is not None:
+            raise BadInputError("materialize takes a step or a compose spec, not both")
+        plan = compose.plan(spec, catalog)
+        step, sources = plan.state, plan.sources
+    step = require_int(step, "a step", minimum=0)
+    if world_size is not None:
+        require_int(world_size, "the world size", minimum=1)
+    description = json.loads(catalog.description(step))
+    out = Path(out).absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    tensors = step_reader(objects, catalog, step, description, sources)
+    files = catalog.files(step)
+    auxfiles.check_rows(files)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        write_checkpoint(description, tensors, staging, f"global_step{step}", world_size)
+        auxfiles.copy_out(objects, files, staging)
+        swap_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def step_reader(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int,
+    description: dict,
+    sources: dict[str, int] | None = None,
+) -> StepReader:
+    """A lazy reader of every tensor ``step`` needs (or the layers ``sources`` maps to steps)."""
+    sources = catalog.sources(step) if sources is None else sources
+    rows = [
+        row for source, layers in layers_by_source(sources).items() for row in catalog.tensors(source, layers)
+    ]
+    missing_layers = set(sources) - {row.layer for row in rows}
+    if missing_layers:
+        raise CorruptError(
+            f"the catalog has no tensors for layers {', '.join(sorted(missing_layers))} of step {step}"
+        )
+    sizes = catalog.blob_sizes(row.blob for row in rows)
+    return StepReader(objects, description["params"], rows, sizes, step)
+
+
+def swap_into_place(staging: Path, out: Path) -> None:
+    """Rename ``staging`` to ``out``, replacing what ``out`` held (removed afterwards)."""
+    if out.exists():
+        trash = out.parent / f".{out.name}.ckptstore-old-{uuid.uuid4().hex[:8]}"
+        out.rename(trash)
+        staging.rename(out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        staging.rename(out)

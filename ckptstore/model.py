@@ -1,0 +1,184 @@
+"""The vocabulary every part shares: pieces of engine state, catalog rows, and the step record.
+
+A *piece* is one stored tensor: the ``kind`` of data (``fp32`` master, module ``weight``,
+``buffer``, or an optimizer state name such as ``exp_avg``) of one named parameter or buffer,
+either whole (in its own shape) or as a 1-D fragment starting at element ``start`` of the
+flattened tensor (what one data-parallel rank owns). Pieces never depend on how an engine
+flattened and padded its groups, so they can be cut again for any world size.
+
+A ``StepRecord`` is everything the store keeps about one committed step. A commit builds it
+once; the manifest format encodes it, the catalog records it, and the commit point publishes it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+# Kinds of stored tensors besides optimizer state names such as ``exp_avg``.
+FP32 = "fp32"
+WEIGHT = "weight"
+BUFFER = "buffer"
+
+
+@dataclass
+class Piece:
+    """One tensor to store: ``kind`` of ``name``, whole (start 0, full shape) or a 1-D fragment.
+
+    A module weight that may just be its fp32 master cast down carries that master as
+    ``unless_equal_to``: it is stored only if ``unless_equal_to.to(tensor.dtype)`` differs
+    from it (``redundant``). The comparison is left to the commit so it can run after the
+    snapshot, off the training loop.
+    """
+
+    name: str
+    kind: str
+    start: int
+    tensor: torch.Tensor
+    unless_equal_to: torch.Tensor | None = None
+
+    @classmethod
+    def cut(cls, name: str, kind: str, start: int, chunk: torch.Tensor, shape, **extra) -> Piece:
+        """The piece of ``chunk`` (1-D, elements ``start``.. of ``name``'s flattened tensor of
+        ``shape``): whole in its own shape when it covers the tensor, else a fragment."""
+        if start == 0 and chunk.numel() == torch.Size(shape).numel():
+            return cls(name, kind, 0, chunk.view(shape), **extra)
+        return cls(name, kind, start, chunk, **extra)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def redundant(self) -> bool:
+        """Whether this piece can be rebuilt from ``unless_equal_to`` and need not be stored."""
+        if self.unless_equal_to is None:
+            return False
+        return torch.equal(self.unless_equal_to.reshape(-1).to(self.tensor.dtype), self.tensor.reshape(-1))
+
+
+@dataclass
+class Snapshot:
+    """What one rank extracted from an engine: the step description and its pieces.
+
+    The *description* (a plain JSON-compatible dict) says everything else a writer needs: the
+    optimizer flavour, the groups and their parameter order, hyperparameters and step counters,
+    module key order, aliases, and the non-tensor state (scheduler, counters, client state).
+    """
+
+    description: dict
+    pieces: list[Piece]
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One stored tensor (or fragment) of a layer saved at ``step``."""
+
+    step: int
+    layer: str
+    name: str
+    kind: str
+    start: int
+    numel: int
+    blob: str
+
+
+@dataclass(frozen=True)
+class BlobRow:
+    """A blob's key with its stored and uncompressed sizes."""
+
+    key: str
+    size: int
+    raw_size: int
+
+
+@dataclass(frozen=True)
+class FileRow:
+    """An auxiliary file of a step: its path in the checkpoint directory, content key and size."""
+
+    path: str
+    key: str
+    size: int
+
+
+@dataclass(frozen=True)
+class LayerRow:
+    """One layer of a step, as ``ckptstore show`` shows it.
+
+    ``bytes``/``raw_bytes``: stored and uncompressed size of the layer's distinct blobs at
+    ``source``; ``update``: its relative change since ``update_since`` measured at this step.
+    """
+
+    layer: str
+    source: int
+    bytes: int
+    raw_bytes: int
+    update: float | None
+    update_since: int | None
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """Summary of a committed step, as ``ckptstore log`` shows it."""
+
+    step: int
+    created_at: str
+    world_size: int
+    layers_saved: int
+    layers_total: int
+    bytes_added: int
+    blobs_added: int
+
+
+# layer -> (step compared with, relative update of its fp32 masters since then)
+Updates = dict[str, tuple[int | None, float | None]]
+
+
+@dataclass
+class StepRecord:
+    """Everything the store keeps about one step, self-contained.
+
+    Besides the tensors the step saved, ``tensors`` lists those its inherited layers use, each
+    row carrying its source step, so the record alone rebuilds the step on another machine and
+    dropping an older step never strands a composite one. ``blobs`` has the size of every blob
+    ``tensors`` name. ``description`` is canonical JSON text (sorted keys, no whitespace).
+    """
+
+    step: int
+    created_at: str
+    world_size: int
+    description: str
+    layer_sources: dict[str, int]
+    tensors: list[TensorRow]
+    blobs: list[BlobRow]
+    updates: Updates = field(default_factory=dict)
+    files: list[FileRow] = field(default_factory=list)
+
+    @property
+    def layers_saved(self) -> list[str]:
+        """The layers this step saved itself (the others it inherits)."""
+        return [layer for layer, source in self.layer_sources.items() if source == self.step]
+
+    def tensors_by_source(self) -> dict[int, list[TensorRow]]:
+        """The tensor rows grouped by the step that saved them."""
+        return group_by_source(self.tensors)
+
+
+def group_by_source(rows: list[TensorRow]) -> dict[int, list[TensorRow]]:
+    """``rows`` grouped by the step that saved them, in first-appearance order."""
+    grouped: dict[int, list[TensorRow]] = defaultdict(list)
+    for row in rows:
+        grouped[row.step].append(row)
+    return dict(grouped)
+
+
+def layers_by_source(layer_sources: dict[str, int]) -> dict[int, list[str]]:
+    """Source step -> the layers that come from it, in model order."""
+    grouped: dict[int, list[str]] = defaultdict(list)
+    for layer, source in layer_sources.items():
+        grouped[source].append(layer)
+    return dict(grouped)

@@ -1,0 +1,43 @@
+"""Object names: built in one place, parsed back to what built them, anything else is stray."""
+
+import pytest
+
+from ckptstore.format import layout
+from ckptstore.objects import open_objects
+
+KEY = "0123456789abcdef" * 2
+
+
+def test_names_round_trip():
+    assert layout.blob_name(KEY) == f"blobs/01/{KEY}"
+    assert layout.file_name(KEY) == f"files/01/{KEY}"
+    assert layout.manifest_name(42) == "manifests/000000000042.json"
+    assert layout.parse_blob_name(layout.blob_name(KEY)) == KEY
+    assert layout.parse_file_name(layout.file_name(KEY)) == KEY
+    assert layout.parse_manifest_name(layout.manifest_name(42)) == 42
+    assert layout.parse_manifest_name(layout.manifest_name(10**13)) == 10**13
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "manifests/notes", "manifests/7.json", "manifests/00000000000x.json", "manifests/000000000007.json.bak",
+        f"blobs/zz/{KEY}", f"blobs/{KEY}", "blobs/01/" + KEY.upper(), "blobs/01/short", f"files/01/{KEY}/x",
+        f"manifests/01/{KEY}",
+    ],
+)  # fmt: skip
+def test_names_the_store_does_not_write_parse_as_nothing(name):
+    parsed = [layout.parse_blob_name(name), layout.parse_file_name(name), layout.parse_manifest_name(name)]
+    assert parsed == [None, None, None]
+
+
+def test_listings_separate_valid_names_from_stray_ones(tmp_path):
+    objects = open_objects(str(tmp_path / "store"))
+    for name in (layout.blob_name(KEY), "blobs/zz/junk", layout.manifest_name(3), "manifests/notes"):
+        objects.put_if_absent(name, b"x")
+    blobs = layout.list_blobs(objects)
+    assert list(blobs.found) == [KEY] and blobs.stray == ["blobs/zz/junk"]
+    manifests = layout.list_manifests(objects)
+    assert list(manifests.found) == [3] and manifests.stray == ["manifests/notes"]
+    assert manifests.missing([3, 5]) == [5] and list(manifests.unreferenced([5])) == [3]
+    assert layout.list_files(objects).found == {}
