@@ -14,7 +14,8 @@ from .errors import (
     UnsupportedError,
 )
 from .model import StepRow
-from .store import CommitReport, Store, VerifyReport, open, rebuild_catalog
+from .opening import open, rebuild_catalog
+from .store import CommitReport, Store, VerifyReport
 
 __all__ = [
     "open",

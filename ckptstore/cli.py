@@ -14,8 +14,9 @@ from dataclasses import asdict
 
 import click
 
-from . import store as store_module
+from . import opening
 from .errors import CkptStoreError
+from .store import Store
 
 EXIT_PROBLEMS = 1
 EXIT_INTERNAL = 70
@@ -35,8 +36,8 @@ def _store_uri(ctx: click.Context) -> str:
     return uri
 
 
-def _open(ctx: click.Context) -> store_module.Store:
-    return store_module.open(_store_uri(ctx), create=False)
+def _open(ctx: click.Context) -> Store:
+    return opening.open(_store_uri(ctx), create=False)
 
 
 def _human(n: float) -> str:
@@ -199,31 +200,7 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
     with _open(ctx) as store:
         report = store.verify(deep=not fast)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "ok": report.ok,
-                    "deep": report.deep,
-                    "blobs_checked": report.blobs_checked,
-                    "bytes_checked": report.bytes_checked,
-                    "problems": [
-                        {"blob": p.blob, "problem": p.problem, "steps": sorted({u[0] for u in p.users}),
-                         "layers": sorted({u[1] for u in p.users})}
-                        for p in report.problems
-                    ],
-                    "files_checked": report.files_checked,
-                    "file_problems": [
-                        {"file": p.key, "path": p.users[0][1], "problem": p.problem,
-                         "steps": sorted({u[0] for u in p.users})}
-                        for p in report.file_problems
-                    ],
-                    "catalog_problems": report.catalog_problems,
-                    "orphans": report.orphans,
-                    "stray_manifests": report.stray_manifests,
-                    "stray_objects": report.stray_objects,
-                }
-            )
-        )  # fmt: skip
+        click.echo(json.dumps(report.as_dict()))
     else:
         for problem in [*report.problems, *report.file_problems]:
             click.echo(f"problem: {problem.describe()}")
@@ -367,7 +344,7 @@ def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
     Example: ckptstore --store s3://ckpts/llama-8b/run7 catalog rebuild
     """
     uri = _store_uri(ctx)
-    report = store_module.rebuild_catalog(uri)
+    report = opening.rebuild_catalog(uri)
     if as_json:
         click.echo(json.dumps(asdict(report)))
     else:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+from . import knobs
 from .catalog import Catalog
 from .errors import BadInputError, CorruptError
 from .format import layout
@@ -84,6 +86,15 @@ def steps_to_keep(
     if keep_every:
         kept.update(s for s in steps if s % keep_every == 0)
     return sorted(kept)
+
+
+def grace_seconds(grace: timedelta | float | None) -> float:
+    """The grace period in seconds: ``CKPTSTORE_GC_GRACE`` when None; BadInputError if negative."""
+    seconds = knobs.gc_grace_seconds() if grace is None else grace
+    seconds = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
+    if seconds < 0:
+        raise BadInputError(f"the grace period cannot be negative ({seconds} s)")
+    return seconds
 
 
 def collect(

@@ -1,34 +1,31 @@
 """``Store``: the library's face. One short method per verb; the parts below do the work.
 
 ``commit`` (the ``commit`` package), ``materialize`` (``materialize``), ``verify``, ``gc``;
-queries go to the ``catalog``. ``open`` picks the object store from the URI (``objects``),
-checks the store's format (``format.config``) and opens its catalog.
+queries go to the ``catalog``. ``ckptstore.open`` (``opening``) builds a Store from a URI.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from . import auxfiles, knobs, strategies
-from .catalog import Catalog, sync
+from . import auxfiles, strategies
+from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
-from .commit.plan import check_new_step
-from .commit.ranks import use_commit_group
-from .commit.step import CommitReport, commit_step
+from .commit.step import CommitReport, commit_step, submit_commit
 from .errors import BadInputError, require_int
-from .format.config import ensure_config
-from .gc import GcReport, collect
+from .gc import GcReport, collect, grace_seconds
 from .materialize import compose
 from .materialize.directory import materialize
 from .model import FileRow, LayerRow, StepRow
-from .objects import ObjectStore, open_objects
+from .objects import ObjectStore
 from .verify import VerifyReport, verify
 
-__all__ = ["Store", "CommitReport", "VerifyReport", "open", "rebuild_catalog"]
+__all__ = ["Store", "CommitReport", "VerifyReport"]
 
 
 def _step(step: Any) -> int:
@@ -129,22 +126,13 @@ class Store:
         if self._closed:
             raise BadInputError("this store was closed; open it again")
         step = _step(step)
-        parts = dict(layers=layers, files=files, manifest_commits=self.manifest_commits)
+        options = dict(layers=layers, files=files, manifest_commits=self.manifest_commits)
+        take_snapshot = functools.partial(extract, engine, client_state)
         if blocking:
             self.wait()
-            return commit_step(
-                self.objects, self.catalog, step, lambda: extract(engine, client_state), **parts
-            )
-        if self._queue is None:
-            self._queue = CommitQueue()
-        self._queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
-        check_new_step(self.catalog, step)
-        use_commit_group()  # background collectives must not mix with training's
-        snapshot = extract(engine, client_state)  # views of the live tensors, plain state copied
-        return self._queue.submit_snapshot(
-            step, engine, snapshot,
-            lambda copy: commit_step(self.objects, self.catalog, step, lambda: copy, background=True, **parts),
-        )  # fmt: skip
+            return commit_step(self.objects, self.catalog, step, take_snapshot, **options)
+        self._queue = self._queue or CommitQueue()
+        return submit_commit(self._queue, self.objects, self.catalog, step, engine, take_snapshot, **options)
 
     def wait(self) -> CommitReport | None:
         """Wait for a background commit in flight; returns its report, raises its error."""
@@ -206,13 +194,9 @@ class Store:
         deleted. With no rule, no step is dropped and only unreferenced blobs go. ``dry_run``
         changes nothing and reports what a real run would free. Safe to run while commits run.
         """
-        seconds = knobs.gc_grace_seconds() if grace is None else grace
-        seconds = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
-        if seconds < 0:
-            raise BadInputError(f"the grace period cannot be negative ({seconds} s)")
         return collect(
             self.objects, self.catalog, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
-            grace=seconds, dry_run=dry_run, allow_empty=allow_empty, now=now,
+            grace=grace_seconds(grace), dry_run=dry_run, allow_empty=allow_empty, now=now,
         )  # fmt: skip
 
     def delete(self, step: int, *, dry_run: bool = False) -> GcReport:
@@ -230,47 +214,3 @@ class Store:
             dry_run=dry_run,
             allow_empty=True,
         )
-
-
-def open(  # noqa: A001 - the public name
-    uri: str | os.PathLike, *, create: bool = True, endpoint_url: str | None = None
-) -> Store:
-    """Open (and by default create) the store at ``uri``: a path, ``file://`` or ``s3://bucket/prefix``.
-
-    An S3 store's catalog is a local index under ``CKPTSTORE_CACHE``, brought up to date from
-    the bucket's manifests here (steps committed elsewhere later appear on the next open).
-    ``endpoint_url`` names an S3-compatible server (default: ``AWS_ENDPOINT_URL``, else AWS).
-    Raises NotFoundError if the store (or its bucket) does not exist and ``create`` is false,
-    UnsupportedError if it was written by a newer ckptstore format, StorageError if the
-    storage cannot be reached or refuses access.
-    """
-    objects = _open_objects(uri, create=create, endpoint_url=endpoint_url)
-    root = getattr(objects, "root", None)
-    if root is None:
-        return Store(objects, sync.open_index(objects), manifest_commits=True)
-    return Store(objects, Catalog(Path(root) / "catalog.db"))
-
-
-def rebuild_catalog(uri: str | os.PathLike, *, endpoint_url: str | None = None) -> sync.SyncReport:
-    """Replace the store's catalog by one rebuilt from its manifests; returns what it holds.
-
-    For an S3 store that is the local index; for a local store its ``catalog.db`` (which may
-    be missing or corrupt). Every step whose manifest is readable and whose blobs are all
-    present comes back, including, on a local store, steps whose commit was interrupted
-    between manifest and catalog row. Run it while nothing else uses the store's catalog.
-    Raises NotFoundError if there is no store at ``uri``, UnsupportedError if a newer
-    ckptstore wrote the store or one of its manifests.
-    """
-    objects = _open_objects(uri, create=False, endpoint_url=endpoint_url)
-    root = getattr(objects, "root", None)
-    path = sync.cache_path(objects) if root is None else Path(root) / "catalog.db"
-    return sync.rebuild(path, objects)
-
-
-def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | None) -> ObjectStore:
-    uri = os.fspath(uri)
-    if not uri:
-        raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
-    objects = open_objects(uri, create=create, endpoint_url=endpoint_url)
-    ensure_config(objects)
-    return objects

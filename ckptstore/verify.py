@@ -67,7 +67,31 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """True when nothing a committed step needs is missing or damaged."""
         return not self.problems and not self.file_problems and not self.catalog_problems
+
+    def as_dict(self) -> dict:
+        """Plain dict for ``--json``."""
+        return {
+            "ok": self.ok,
+            "deep": self.deep,
+            "blobs_checked": self.blobs_checked,
+            "bytes_checked": self.bytes_checked,
+            "problems": [
+                {"blob": p.blob, "problem": p.problem, "steps": sorted({u[0] for u in p.users}),
+                 "layers": sorted({u[1] for u in p.users})}
+                for p in self.problems
+            ],
+            "files_checked": self.files_checked,
+            "file_problems": [
+                {"file": p.key, "path": p.users[0][1], "problem": p.problem, "steps": sorted({u[0] for u in p.users})}
+                for p in self.file_problems
+            ],
+            "catalog_problems": self.catalog_problems,
+            "orphans": self.orphans,
+            "stray_manifests": self.stray_manifests,
+            "stray_objects": self.stray_objects,
+        }  # fmt: skip
 
 
 def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> VerifyReport:

@@ -10,8 +10,10 @@ all of it: a concurrent gc (exclusive) runs wholly before or wholly after the co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .. import auxfiles, strategies
 from ..catalog import Catalog, sync
@@ -19,6 +21,7 @@ from ..layers import layer_of
 from ..model import BlobRow, FileRow, Snapshot, TensorRow
 from ..objects import ObjectStore
 from . import ranks, stats
+from .background import CommitHandle, CommitQueue
 from .blobs import store_pieces
 from .plan import CommitPlan, check_new_step, plan_commit
 from .record import build_record, publish
@@ -61,7 +64,9 @@ class _RankCommit:
         self.samples: dict[str, bytes] = {}
         self.files: list[FileRow] = []
 
-    def sample(self, take_snapshot, files: auxfiles.FileSpec | None) -> stats.RankSamples:
+    def sample(
+        self, take_snapshot: Callable[[], Snapshot], files: auxfiles.FileSpec | None
+    ) -> stats.RankSamples:
         """Phase 1: check the step, take this rank's snapshot and its share of the samples."""
         check_new_step(self.catalog, self.step)
         self.file_entries = auxfiles.collect(files) if self.rank_zero and files is not None else None
@@ -97,7 +102,7 @@ def commit_step(
     objects: ObjectStore,
     catalog: Catalog,
     step: int,
-    take_snapshot,
+    take_snapshot: Callable[[], Snapshot],
     *,
     layers: strategies.Selection = None,
     files: auxfiles.FileSpec | None = None,
@@ -142,3 +147,28 @@ def commit_step(
         bytes_added=sum(created.values()),
         updates={layer: update for layer, (_, update) in plan.updates.items()},
     )
+
+
+def submit_commit(
+    queue: CommitQueue,
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int,
+    engine: Any,
+    take_snapshot: Callable[[], Snapshot],
+    **options: Any,
+) -> CommitHandle:
+    """Start a commit of ``step`` that runs behind training; returns its handle at once.
+
+    Waits for the commit in flight (raising its error), checks the step, then takes the
+    snapshot (views of the engine's live tensors), which ``queue`` copies in the background
+    while the engine's next optimizer step waits for the copy. ``options`` as ``commit_step``.
+    """
+    queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
+    check_new_step(catalog, step)
+    ranks.use_commit_group()  # background collectives must not mix with training's
+    snapshot = take_snapshot()
+    return queue.submit_snapshot(
+        step, engine, snapshot,
+        lambda copy: commit_step(objects, catalog, step, lambda: copy, background=True, **options),
+    )  # fmt: skip

@@ -5,79 +5,27 @@ engine used, flattened, padded and partitioned for the requested data-parallel w
 DeepSpeed objects (loss scalers, ``ZeroStageEnum``, ``fragment_address``) are rebuilt here from
 plain data, so DeepSpeed must be importable when materializing.
 
-The writer streams: it first builds each file's object with placeholder tensors, recording
-which *segments* of which stored tensors fill each placeholder (a ZeRO partition is the
-parameters laid end to end, padded with zeros), saves that skeleton (``torchfile``), then fills
-the bytes parameter by parameter. Memory holds a few parameters' tensors, not the model.
+The writer streams: it builds each file's object with placeholder tensors, recording which
+*segments* of which stored tensors fill each placeholder (a ZeRO partition is the parameters
+laid end to end, padded with zeros), saves that skeleton (``torchfile``), and leaves the bytes
+to ``fill``, parameter by parameter. Memory holds a few parameters' tensors, not the model.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-from collections import OrderedDict, defaultdict
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from collections import OrderedDict
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from .. import knobs
 from ..errors import CorruptError
 from ..format import plainstate
-from ..format.codec import DTYPES, raw_bytes
+from ..format.codec import DTYPES
 from ..model import BUFFER, FP32, WEIGHT
-from ..progress import progress_bar
+from .fill import MODULE, Filler, Placeholders, Segment, TensorSource, stored_tensor
 from .layout import BASIC, BF16_OPTIMIZER, ZERO3, ZERO12, flat_partition_size, zero3_bounds, zero3_slice
-from .torchfile import pwrite_all, save_skeleton, storage_bytes
-
-
-class TensorSource(Protocol):
-    """Where the writer gets stored tensors from."""
-
-    def __call__(self, name: str, kind: str) -> torch.Tensor | None:
-        """The whole tensor in its own shape, or None when the store holds none."""
-
-    def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
-        """Stored pieces as ``(start, tensor)`` in the flattened tensor, possibly not covering it."""
-
-    def dtype(self, name: str, kind: str) -> torch.dtype | None:
-        """The dtype of the stored tensor, known before reading it; None when none is stored."""
-
-
-# A segment kind of its own: the module weight, i.e. the fp32 master cast down and overlaid
-# with any weight fragments stored apart.
-MODULE = "module"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Elements ``[source_start, source_start + length)`` of the flattened ``kind`` of ``name``,
-    placed at element ``target_start`` of a placeholder."""
-
-    name: str
-    kind: str
-    source_start: int
-    length: int
-    target_start: int
-
-
-class _Placeholders:
-    """Untouched ``torch.empty`` tensors standing in for file contents, with their segments."""
-
-    def __init__(self) -> None:
-        self.segments: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
-
-    def new(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.empty(numel, dtype=dtype)
-        if numel:
-            self.segments[tensor.untyped_storage().data_ptr()] = (tensor, [])
-        return tensor
-
-    def place(self, tensor: torch.Tensor, segment: Segment) -> None:
-        if segment.length:
-            self.segments[tensor.untyped_storage().data_ptr()][1].append(segment)
+from .torchfile import save_skeleton
 
 
 def _fragment_address(numel: int, start: int):
@@ -96,7 +44,7 @@ class _Writer:
         self.stage = self.d["zero_stage"]
         self.world_size = world_size
         self.params = self.d["params"]
-        self.holes = _Placeholders()
+        self.holes = Placeholders()
         if self.flavour == ZERO3 and world_size != self.d["world_size"]:
             self._resplit_zero3_subgroups()
 
@@ -151,7 +99,7 @@ class _Writer:
                 module[key] = None  # filled below, once the owner is there
             elif role == BUFFER:
                 # buffers are small and their shapes are not in the description: read now
-                module[key] = self.tensor(key, BUFFER)
+                module[key] = stored_tensor(self._tensors, key, BUFFER)
             elif self.stage == 3:
                 # ZeRO-3 module entries are empty placeholders; the loader refills params from fp32.
                 module[key] = torch.empty(0, dtype=DTYPES[self.params[key]["dtype"]])
@@ -373,89 +321,9 @@ class _Writer:
         else:
             optimizer = self.basic_optimizer() if self.flavour == BASIC else self.fp16_optimizer()
             save(self.model_state(0, module, optimizer), "mp_rank_00_model_states.pt")
-        self.fill([(path, save_skeleton(obj, path)) for path, obj in files])
+        filler = Filler(self.holes, self._tensors, self.params)
+        filler.fill([(path, save_skeleton(obj, path)) for path, obj in files])
         return [path for path, _ in files]
-
-    # -- bytes -----------------------------------------------------------------------------
-
-    def fill(self, skeletons: list[tuple[Path, list[tuple[torch.UntypedStorage, int]]]]) -> None:
-        """Write the bytes of every storage of the saved skeletons, a parameter per task."""
-        by_param: dict[str, list[tuple[int, int, Segment, torch.dtype]]] = defaultdict(list)
-        fds = []
-        try:
-            for path, storages in skeletons:
-                fd = os.open(path, os.O_WRONLY)
-                fds.append(fd)
-                for storage, offset in storages:
-                    entry = self.holes.segments.get(storage.data_ptr())
-                    if entry is None:  # a real tensor (a buffer, a scalar): small, written now
-                        pwrite_all(fd, storage_bytes(storage), offset)
-                        continue
-                    placeholder, segments = entry
-                    for segment in segments:
-                        by_param[segment.name].append((fd, offset, segment, placeholder.dtype))
-            # Largest first, so no big parameter starts last while the other threads sit idle.
-            by_size = sorted(
-                by_param.items(), key=lambda item: -sum(s.length * d.itemsize for _, _, s, d in item[1])
-            )
-            with ThreadPoolExecutor(knobs.io_threads()) as pool:
-                tasks = [pool.submit(self.fill_parameter, name, targets) for name, targets in by_size]
-                try:
-                    for task in progress_bar(
-                        as_completed(tasks), total=len(tasks), desc="write", unit="param"
-                    ):
-                        task.result()
-                except BaseException:
-                    for task in tasks:
-                        task.cancel()
-                    raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def fill_parameter(self, name: str, targets: list[tuple[int, int, Segment, torch.dtype]]) -> None:
-        """Read ``name``'s stored tensors once each and write every segment that comes from them."""
-        by_kind: dict[str, list[tuple[int, int, Segment, torch.dtype]]] = defaultdict(list)
-        for target in targets:
-            by_kind[target[2].kind].append(target)
-        master = None
-        # One kind at a time, so a task holds at most two of them: the fp32 master first, then
-        # the module weight cast from it, then the rest.
-        for kind in sorted(by_kind, key=lambda k: (k != FP32, k != MODULE)):
-            if kind == MODULE:
-                source = self.module_weight(name, self.tensor(name, FP32) if master is None else master)
-                master = None
-            else:
-                source = self.tensor(name, kind).reshape(-1)
-                if kind == FP32 and MODULE in by_kind:
-                    master = source
-            for fd, offset, segment, dtype in by_kind[kind]:
-                if source.dtype != dtype:
-                    raise CorruptError(
-                        f"{name} {kind} is stored as {source.dtype}, the checkpoint needs {dtype}"
-                    )
-                end = segment.source_start + segment.length
-                if end > source.numel():
-                    raise CorruptError(f"{name} {kind} holds {source.numel()} elements, {end} are needed")
-                pwrite_all(
-                    fd,
-                    raw_bytes(source[segment.source_start : end]),
-                    offset + segment.target_start * dtype.itemsize,
-                )
-
-    def module_weight(self, name: str, master: torch.Tensor) -> torch.Tensor:
-        """The flat module weight: ``master`` cast down, overlaid with any weight stored apart."""
-        fragments = self._tensors.fragments(name, WEIGHT)
-        weight = master.reshape(-1).to(DTYPES[self.params[name]["dtype"]], copy=bool(fragments))
-        for start, fragment in fragments:
-            weight[start : start + fragment.numel()] = fragment.reshape(-1)
-        return weight
-
-    def tensor(self, name: str, kind: str) -> torch.Tensor:
-        found = self._tensors(name, kind)
-        if found is None:
-            raise CorruptError(f"the store holds no {kind} tensor for {name}")
-        return found
 
 
 def write_checkpoint(
