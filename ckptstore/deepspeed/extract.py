@@ -17,7 +17,16 @@ from ..errors import UnsupportedError
 from ..format import plainstate
 from ..format.codec import dtype_name
 from ..model import BUFFER, FP32, WEIGHT, Piece, Snapshot
-from .layout import BASIC, BF16_OPTIMIZER, FP16_OPTIMIZER, ZERO3, ZERO12, zero3_bounds, zero3_slice
+from .layout import (
+    BASIC,
+    BF16_OPTIMIZER,
+    FP16_OPTIMIZER,
+    ZERO3,
+    ZERO12,
+    flat_fragments,
+    zero3_bounds,
+    zero3_slice,
+)
 
 # Model-states keys rebuilt by the writer from pieces and layout; everything else is kept as is.
 _LAYOUT_MODEL_KEYS = {
@@ -90,16 +99,10 @@ def _cut_flat(
 
     ``partition`` covers flat elements ``[flat_start, flat_start + len(partition))``.
     """
-    offset = 0
-    end = flat_start + partition.numel()
-    for name, shape in zip(names, shapes, strict=True):
-        numel = int(torch.Size(shape).numel())
-        lo, hi = max(offset, flat_start), min(offset + numel, end)
-        if lo < hi:
-            pieces.append(
-                Piece.cut(name, kind, lo - offset, partition[lo - flat_start : hi - flat_start], shape)
-            )
-        offset += numel
+    numels = [int(torch.Size(shape).numel()) for shape in shapes]
+    for i, start, count, position in flat_fragments(numels, flat_start, flat_start + partition.numel()):
+        chunk = partition[position - flat_start : position - flat_start + count]
+        pieces.append(Piece.cut(names[i], kind, start, chunk, shapes[i]))
 
 
 def _extract_zero12(engine: Any, osd: dict, param_shapes: list, rank: int, pieces: list[Piece]) -> list[dict]:

@@ -6,6 +6,8 @@ math, and the writer lays pieces out again for any world size with the same math
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 # Optimizer flavours, named after the DeepSpeed class whose state dict they follow.
 ZERO12 = "DeepSpeedZeroOptimizer"
 BF16_OPTIMIZER = "BF16_Optimizer"
@@ -23,6 +25,22 @@ def flat_partition_size(used: int, world_size: int) -> int:
     alignment = ALIGNMENT_FACTOR * world_size
     total = -(-used // alignment) * alignment
     return total // world_size
+
+
+def flat_fragments(
+    numels: Iterable[int], flat_start: int, flat_end: int
+) -> Iterator[tuple[int, int, int, int]]:
+    """The parts of parameters laid end to end from flat element 0 (a ZeRO-1/2 group) that fall
+    in ``[flat_start, flat_end)``: ``(index, start, count, flat_position)`` for ``count`` elements
+    from element ``start`` of parameter ``index``, found at ``flat_position`` of the group."""
+    offset = 0
+    for index, numel in enumerate(numels):
+        lo, hi = max(offset, flat_start), min(offset + numel, flat_end)
+        if lo < hi:
+            yield index, lo - offset, hi - lo, lo
+        offset += numel
+        if offset >= flat_end:
+            return
 
 
 def zero3_slice(numel: int, world_size: int) -> int:

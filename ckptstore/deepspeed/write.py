@@ -24,7 +24,16 @@ from ..format import plainstate
 from ..format.codec import DTYPES
 from ..model import BUFFER, FP32, WEIGHT
 from .fill import MODULE, Filler, Placeholders, Segment, TensorSource, stored_tensor
-from .layout import BASIC, BF16_OPTIMIZER, ZERO3, ZERO12, flat_partition_size, zero3_bounds, zero3_slice
+from .layout import (
+    BASIC,
+    BF16_OPTIMIZER,
+    ZERO3,
+    ZERO12,
+    flat_fragments,
+    flat_partition_size,
+    zero3_bounds,
+    zero3_slice,
+)
 from .torchfile import save_skeleton
 
 
@@ -221,15 +230,11 @@ class _Writer:
         return files
 
     def slice_mappings(self, names: list[str], lo: int, hi: int) -> OrderedDict:
-        mappings: OrderedDict = OrderedDict()
-        offset = 0
-        for name in names:
-            numel = self.shape(name).numel()
-            start, end = max(offset, lo), min(offset + numel, hi)
-            if start < end:
-                mappings[name] = _fragment_address(end - start, start - lo)
-            offset += numel
-        return mappings
+        numels = [self.shape(name).numel() for name in names]
+        return OrderedDict(
+            (names[i], _fragment_address(count, position - lo))
+            for i, _, count, position in flat_fragments(numels, lo, hi)
+        )
 
     def zero3_files(self) -> list[dict]:
         W = self.world_size
