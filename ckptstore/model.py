@@ -157,6 +157,9 @@ class StepRecord:
     blobs: list[BlobRow]
     updates: Updates = field(default_factory=dict)
     files: list[FileRow] = field(default_factory=list)
+    # (blobs, bytes) the commit added to the store, as the committing machine counted them;
+    # None in manifests written before it was recorded.
+    added: tuple[int, int] | None = None
 
     @property
     def layers_saved(self) -> list[str]:

@@ -17,8 +17,8 @@ def record(catalog, step, sources):
             tensors=[TensorRow(step, layer, f"{layer}.w", "fp32", 0, 4, f"k{step}{layer}")
                      for layer, source in sources.items() if source == step],
             blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer, source in sources.items() if source == step],
+            added=(1, 10),
         ),
-        blobs_added=1, bytes_added=10,
     )  # fmt: skip
 
 

@@ -114,3 +114,35 @@ def test_processes_sharing_one_cache_can_import_the_same_steps_at_once(s3, monke
         thread.join()
     assert errors == []
     assert seen == [[1, 2, 3]] * 6
+
+
+def test_a_fresh_cache_lists_the_steps_and_reads_only_the_manifests_it_needs(s3, monkeypatch, tmp_path):
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "writer"))
+    commit_three_steps(ckptstore.open(s3.uri()))
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "reader"))
+    reader = ckptstore.open(s3.uri())
+    assert reader.steps() == [1, 2, 3] and reader.catalog.recorded_steps() == []  # one listing
+    reader.materialize(2, tmp_path / "out")  # a composite: its manifest carries what it inherits
+    assert reader.catalog.recorded_steps() == [2]
+    assert reader.sources(2) == {**dict.fromkeys(reader.sources(2), 1), "transformer.h.1": 2}
+    assert reader.catalog.recorded_steps() == [2]
+    # gc on another fresh machine reads the kept steps' manifests, and drops the others unread.
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "gc"))
+    collector = ckptstore.open(s3.uri())
+    report = collector.gc(keep_last=1, grace=0)
+    assert report.steps_dropped == [1, 2] and collector.catalog.recorded_steps() == [3]
+    assert collector.verify().ok
+    # The reader's listing still names step 1: asking for it now finds it gone, cleanly.
+    with pytest.raises(ckptstore.NotFoundError, match="step 1 does not exist"):
+        reader.sources(1)
+    assert reader.steps() == [2, 3]
+
+
+def test_a_lazily_imported_store_logs_what_each_step_added_as_its_committer_did(s3, monkeypatch, tmp_path):
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "writer"))
+    writer = ckptstore.open(s3.uri())
+    commit_three_steps(writer)
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "reader"))
+    reader = ckptstore.open(s3.uri())
+    reader.sources(3)  # imported out of order: step 3 before steps 1 and 2
+    assert reader.log() == writer.log()

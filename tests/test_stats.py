@@ -69,11 +69,9 @@ def test_dropping_a_step_keeps_the_samples_a_kept_step_inherits(tmp_path):
             tensors=[TensorRow(step, layer, f"{layer}.w", "fp32", 0, 4, f"k{step}{layer}") for layer in saved],
             blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer in saved],
             updates={"a": (1, 0.5)} if step == 2 else {},
-            files=[FileRow("config.json", "f" * 32, 2)],
+            files=[FileRow("config.json", "f" * 32, 2)], added=(1, 10),
         )  # fmt: skip
-        catalog.record_step(
-            record, blobs_added=1, bytes_added=10, samples={f"{layer}.w": sample([step]) for layer in saved}
-        )
+        catalog.record_step(record, samples={f"{layer}.w": sample([step]) for layer in saved})
     assert [(r.layer, r.source, r.update, r.update_since) for r in catalog.layer_rows(2)] == [
         ("a", 1, 0.5, 1),
         ("b", 2, None, None),

@@ -3,6 +3,10 @@
 Schema changes only through ``migrations/`` (shipped as ``ckptstore.catalog.migrations``). Opening a
 catalog applies pending migrations and refuses one whose schema is newer than this code.
 A step becomes visible by ``record_step``, one transaction that writes every row of the step.
+
+The index of an S3 store may also *list* steps it has not imported yet (``set_listed``): its
+``loader`` imports them the first time a query needs their rows, so every query answers as if
+every listed step had been imported.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from sqlite_utils import Database
@@ -28,6 +32,8 @@ class Catalog:
         from .migrations import migrations
 
         self.path = Path(path)
+        # Imports listed steps that are not recorded yet (catalog.sync); None: nothing is listed.
+        self.loader: Callable[[list[int]], None] | None = None
         try:
             # Ranks of one job open the same catalog at once: wait for locks instead of failing.
             # check_same_thread=False: a non-blocking commit records its step from its
@@ -91,15 +97,51 @@ class Catalog:
     # -- reading ---------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps in ascending order."""
-        return [row[0] for row in self.db.execute("SELECT step FROM steps ORDER BY step")]
+        """Committed steps in ascending order, listed ones included."""
+        sql = "SELECT step FROM steps UNION SELECT step FROM listed_steps ORDER BY step"
+        return [row[0] for row in self.db.execute(sql)]
 
     def has_step(self, step: int) -> bool:
-        """Whether ``step`` is committed."""
+        """Whether ``step`` is committed (recorded or listed)."""
+        sql = "SELECT 1 FROM steps WHERE step = ? UNION SELECT 1 FROM listed_steps WHERE step = ?"
+        return self.db.execute(sql, [step, step]).fetchone() is not None
+
+    def recorded_steps(self) -> list[int]:
+        """The steps whose rows this catalog holds (listed ones not imported yet left out)."""
+        return [row[0] for row in self.db.execute("SELECT step FROM steps ORDER BY step")]
+
+    def _recorded(self, step: int) -> bool:
         return self.db.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone() is not None
+
+    def load(self, steps: Iterable[int] | None = None) -> None:
+        """Import the listed steps not recorded yet: all of them, or those among ``steps``."""
+        if self.loader is None:
+            return
+        sql = "SELECT step FROM listed_steps WHERE step NOT IN (SELECT step FROM steps) ORDER BY step"
+        pending = [row[0] for row in self.db.execute(sql)]
+        if steps is not None:
+            wanted = set(steps)
+            pending = [step for step in pending if step in wanted]
+        if pending:
+            self.loader(pending)
+
+    def set_listed(self, steps: Iterable[int]) -> None:
+        """Make ``steps`` the listed steps (the manifests a listing of the store found)."""
+        with self.write_transaction():
+            self.db.execute("DELETE FROM listed_steps")
+            self.db["listed_steps"].insert_all(({"step": step} for step in steps), ignore=True)
+
+    def unlist(self, steps: Iterable[int]) -> None:
+        """Forget listed steps that cannot be imported (their manifest is gone or unreadable)."""
+        with self.write_transaction():
+            self.db.execute(
+                "DELETE FROM listed_steps WHERE step IN (SELECT value FROM json_each(?))",
+                [json.dumps(list(steps))],
+            )
 
     def inheritor_of(self, step: int) -> int | None:
         """A committed step that uses layers ``step`` saved, if any (``step`` itself excluded)."""
+        self.load(s for s in self.steps() if s > step)  # only later steps can inherit from it
         row = self.db.execute(
             "SELECT min(step) FROM layers WHERE source_step = ? AND step != ?", [step, step]
         ).fetchone()
@@ -107,14 +149,12 @@ class Catalog:
 
     def latest_step(self, before: int | None = None) -> int | None:
         """The newest committed step (strictly below ``before`` when given), or None."""
-        if before is None:
-            row = self.db.execute("SELECT max(step) FROM steps").fetchone()
-        else:
-            row = self.db.execute("SELECT max(step) FROM steps WHERE step < ?", [before]).fetchone()
-        return row[0]
+        steps = [s for s in self.steps() if before is None or s < before]
+        return steps[-1] if steps else None
 
     def _require(self, step: int) -> None:
-        if not self.has_step(step):
+        self.load([step])
+        if not self._recorded(step):
             known = self.steps()
             hint = f"; committed steps: {_summary(known)}" if known else "; the store has no steps yet"
             raise NotFoundError(f"step {step} does not exist{hint}")
@@ -152,6 +192,7 @@ class Catalog:
 
     def referenced_blobs(self) -> dict[str, list[tuple[int, str, str, str]]]:
         """Every blob referenced by a committed step's layers -> (step, layer, name, kind) users."""
+        self.load()
         sql = """
             SELECT l.step, t.layer, t.name, t.kind, t.blob
             FROM layers l JOIN tensors t ON t.step = l.source_step AND t.layer = l.layer
@@ -164,6 +205,8 @@ class Catalog:
 
     def blobs_of_steps(self, steps: Iterable[int]) -> set[str]:
         """Every blob the given steps need, inherited layers included."""
+        steps = list(steps)
+        self.load(steps)
         sql = """
             SELECT DISTINCT t.blob
             FROM layers l JOIN tensors t ON t.step = l.source_step AND t.layer = l.layer
@@ -173,11 +216,14 @@ class Catalog:
 
     def files_of_steps(self, steps: Iterable[int]) -> set[str]:
         """Keys of every auxiliary file the given steps carry."""
+        steps = list(steps)
+        self.load(steps)
         sql = "SELECT DISTINCT key FROM files WHERE step IN (SELECT value FROM json_each(?))"
         return {row[0] for row in self.db.execute(sql, [json.dumps(list(steps))])}
 
     def referenced_files(self) -> dict[str, list[tuple[int, str, int]]]:
         """Every stored auxiliary file of a committed step -> its (step, path, size) users."""
+        self.load()
         sql = "SELECT f.key, f.step, f.path, f.size FROM files f JOIN steps s ON s.step = f.step ORDER BY f.key, f.step"
         users: dict[str, list[tuple[int, str, int]]] = {}
         for key, step, path, size in self.db.execute(sql):
@@ -186,6 +232,7 @@ class Catalog:
 
     def consistency_problems(self) -> list[str]:
         """Layers of committed steps whose source step has no tensor rows for them."""
+        self.load()
         sql = """
             SELECT l.step, l.layer, l.source_step FROM layers l
             WHERE NOT EXISTS (SELECT 1 FROM tensors t WHERE t.step = l.source_step AND t.layer = l.layer)
@@ -198,6 +245,7 @@ class Catalog:
 
     def log(self) -> list[StepRow]:
         """One summary row per committed step, oldest first."""
+        self.load()
         sql = """
             SELECT s.step, s.created_at, s.world_size, s.layers_saved,
                    (SELECT count(*) FROM layers l WHERE l.step = s.step), s.bytes_added, s.blobs_added
@@ -245,23 +293,22 @@ class Catalog:
         self,
         record: StepRecord,
         *,
-        blobs_added: int | None = None,
-        bytes_added: int | None = None,
         samples: dict[str, bytes] | None = None,
         if_absent: bool = False,
     ) -> bool:
         """Write every row of ``record`` in one transaction: all of it becomes visible, or none.
 
         Tensor rows of inherited layers belong to their source step and are added only where
-        the catalog lacks them (their step was dropped, or was never in this catalog).
-        ``blobs_added`` / ``bytes_added`` default to the record's blobs this catalog did not
-        know yet. ``samples``: parameter name -> update-statistics sample (commit.stats), kept
+        the catalog lacks them (their step was dropped, or is not imported yet); rows of the
+        step's own layers that an inheritor's import already added are left as they are. What
+        the step added is ``record.added``, or, for records without it, the record's blobs
+        this catalog did not know yet. ``samples``: parameter name -> update-statistics sample (commit.stats), kept
         only on the committing machine. Returns True; an existing step raises ConflictError,
         or returns False with ``if_absent`` (another process sharing the catalog recorded it).
         """
         step = record.step
         with self.write_transaction():
-            if self.has_step(step):
+            if self._recorded(step):
                 if if_absent:
                     return False
                 raise ConflictError(f"step {step} is already committed")
@@ -273,7 +320,9 @@ class Catalog:
                     else {r.layer for r in self.tensors(source, {r.layer for r in source_rows})}
                 )
                 rows.extend(row for row in source_rows if row.layer not in present)
-            if blobs_added is None or bytes_added is None:
+            if record.added is not None:
+                blobs_added, bytes_added = record.added
+            else:
                 known = self.blob_sizes(b.key for b in record.blobs)
                 new = [b for b in record.blobs if b.key not in known]
                 blobs_added, bytes_added = len(new), sum(b.size for b in new)
@@ -296,9 +345,10 @@ class Catalog:
                 for i, (layer, source) in enumerate(record.layer_sources.items())
             )  # fmt: skip
             self.db["tensors"].insert_all(
-                {"step": t.step, "layer": t.layer, "name": t.name, "kind": t.kind,
-                 "start": t.start, "numel": t.numel, "blob": t.blob}
-                for t in rows
+                ({"step": t.step, "layer": t.layer, "name": t.name, "kind": t.kind,
+                  "start": t.start, "numel": t.numel, "blob": t.blob}
+                 for t in rows),
+                ignore=True,
             )  # fmt: skip
             self.db["blobs"].insert_all(
                 (
@@ -335,6 +385,9 @@ class Catalog:
                     [steps_json],
                 )
             self.db.execute("DELETE FROM files WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
+            self.db.execute(
+                "DELETE FROM listed_steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json]
+            )
 
     def forget_blobs(self, keys: Iterable[str]) -> None:
         """Drop the size records of blobs that were deleted from the store."""

@@ -4,8 +4,11 @@ A store without a local directory (S3) keeps its truth in the bucket: a step exi
 manifest (``format.layout``) exists. The manifest is written create-only after every blob
 it names, so it is the commit point. The SQLite catalog is then a local index under
 ``CKPTSTORE_CACHE`` (one folder per store and endpoint), brought up to date whenever the store
-is opened: manifests it lacks are imported, steps whose manifest is gone (dropped by a gc on
-another machine) are dropped. Deleting the cache loses nothing.
+is opened, from one listing of the manifests: steps whose manifest is gone (dropped by a gc on
+another machine) are dropped, and the others are *listed*. A listed step's manifest is
+downloaded and imported the first time a query needs its rows (materialize of that step, gc
+of the steps it keeps, verify of all), so opening a store on a new machine costs one listing,
+not one download per step. Deleting the cache loses nothing.
 
 ``rebuild`` builds a fresh catalog from the manifests alone, for any store: the repair for a
 lost or corrupt catalog (the local store's ``catalog.db`` included).
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import knobs
-from ..errors import CorruptError, UnsupportedError
+from ..errors import CorruptError, NotFoundError, UnsupportedError
 from ..format import layout, manifest
 from ..model import StepRecord
 from ..objects import ObjectStore
@@ -81,6 +84,8 @@ def _fetch_all(objects: ObjectStore, steps: Iterable[int], report: SyncReport) -
     def fetch(step: int) -> StepRecord | None:
         try:
             return read_manifest(objects, step)
+        except NotFoundError:
+            return None  # deleted since it was listed (a gc elsewhere)
         except CorruptError as exc:
             report.corrupt.append(f"{layout.manifest_name(step)}: {exc}")
             return None
@@ -93,27 +98,43 @@ def _fetch_all(objects: ObjectStore, steps: Iterable[int], report: SyncReport) -
 
 
 def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
-    """Make ``catalog`` list exactly the steps whose manifests are in ``objects``.
+    """Make ``catalog`` list exactly the steps whose manifests are in ``objects``, from one listing.
+
+    Steps whose manifest is gone (dropped by a gc elsewhere) are dropped; the others are listed
+    and imported only when a query first needs them (``load_steps``).
+    """
+    report = SyncReport()
+    remote = set(layout.list_manifests(objects).found)
+    with catalog.write_transaction():
+        report.dropped = sorted(set(catalog.recorded_steps()) - remote)
+        if report.dropped:
+            catalog.drop_steps(report.dropped)
+        catalog.set_listed(remote)
+    report.steps = catalog.steps()
+    return report
+
+
+def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> SyncReport:
+    """Import the manifests of listed ``steps``; those gone or unreadable are unlisted.
 
     Raises UnsupportedError if a manifest was written by a newer ckptstore."""
     report = SyncReport()
-    remote = set(layout.list_manifests(objects).found)
-    local = set(catalog.steps())
-    report.dropped = sorted(local - remote)
-    if report.dropped:
-        catalog.drop_steps(report.dropped)
-    for record in _fetch_all(objects, remote - local, report):
+    for record in _fetch_all(objects, steps, report):
         if import_record(catalog, record):
             report.imported.append(record.step)
     for problem in report.corrupt:
         log.warning("ckptstore: skipped corrupt manifest %s", problem)
+    recorded = set(catalog.recorded_steps())
+    report.dropped = [step for step in steps if step not in recorded]
+    if report.dropped:
+        catalog.unlist(report.dropped)
     report.steps = catalog.steps()
     return report
 
 
 def import_step(catalog: Catalog, objects: ObjectStore, step: int) -> None:
     """Import one step another process just committed, if this catalog does not have it yet."""
-    if not catalog.has_step(step):
+    if step not in catalog.recorded_steps():
         import_record(catalog, read_manifest(objects, step))
 
 
@@ -132,6 +153,7 @@ def open_index(objects: ObjectStore) -> Catalog:
     except BaseException:
         catalog.close()
         raise
+    catalog.loader = lambda steps: load_steps(catalog, objects, steps)
     return catalog
 
 

@@ -30,9 +30,11 @@ def build_record(
     blobs: list[BlobRow],
     updates: Updates,
     files: list[FileRow],
+    created: dict[str, int],
 ) -> StepRecord:
     """The step's record: its own ``rows`` and ``blobs`` plus, from the catalog, the rows and
-    blob sizes of every layer it inherits, so that the record stands alone."""
+    blob sizes of every layer it inherits, so that the record stands alone. ``created``: the
+    blobs this commit added to the store (key -> stored size)."""
     inherited = [
         row
         for source, layers in layers_by_source(layer_sources).items()
@@ -50,6 +52,7 @@ def build_record(
         blobs=list(all_blobs.values()),
         updates=updates,
         files=files,
+        added=(len(created), sum(created.values())),
     )
 
 
@@ -59,14 +62,12 @@ def publish(
     record: StepRecord,
     *,
     manifest_commits: bool,
-    created: dict[str, int],
     samples: dict[str, bytes],
 ) -> None:
     """Write ``record``'s manifest and catalog rows; the step is committed when it returns.
 
     ``manifest_commits``: the manifest is the commit point (S3 stores), else the catalog rows
-    are. ``created``: the blobs this commit added (key -> size), for the step's summary;
-    ``samples``: the update-statistics samples of the layers it saved. Raises ConflictError
+    are. ``samples``: the update-statistics samples of the layers it saved. Raises ConflictError
     if another writer committed the step first.
     """
     name = manifest_name(record.step)
@@ -83,7 +84,4 @@ def publish(
         objects.delete(name)
         objects.put_if_absent(name, data, single_request=True)
     # Where the manifest committed, another process sharing this index may have imported it already.
-    catalog.record_step(
-        record, blobs_added=len(created), bytes_added=sum(created.values()), samples=samples,
-        if_absent=manifest_commits,
-    )  # fmt: skip
+    catalog.record_step(record, samples=samples, if_absent=manifest_commits)

@@ -129,10 +129,9 @@ def commit_step(
         def record() -> None:
             step_record = build_record(
                 catalog, step, shares[0].world_size, shares[0].description, plan.layer_sources,
-                rows, blobs, plan.updates, own.files,
+                rows, blobs, plan.updates, own.files, created,
             )  # fmt: skip
-            publish(objects, catalog, step_record, manifest_commits=manifest_commits, created=created,
-                    samples=own.samples)  # fmt: skip
+            publish(objects, catalog, step_record, manifest_commits=manifest_commits, samples=own.samples)
 
         ranks.on_rank_zero(f"recording step {step}", record)
         if manifest_commits:

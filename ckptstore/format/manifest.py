@@ -18,7 +18,8 @@ MANIFEST_VERSION = 1
 
 
 def encode(record: StepRecord) -> bytes:
-    """Canonical bytes of ``record``. Update statistics and files are encoded only when present."""
+    """Canonical bytes of ``record``. Update statistics, files and the counts of what the commit
+    added are encoded only when present (readers of older manifests ignore keys they lack)."""
     body = {
         "version": MANIFEST_VERSION,
         "step": record.step,
@@ -34,6 +35,8 @@ def encode(record: StepRecord) -> bytes:
         body["updates"] = measured
     if record.files:
         body["files"] = sorted([f.path, f.key, f.size] for f in record.files)
+    if record.added is not None:
+        body["added"] = list(record.added)
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -66,6 +69,7 @@ def decode(data: bytes) -> StepRecord:
                 for layer, since, size in body.get("updates", [])
             },
             files=[FileRow(str(p), str(k), int(n)) for p, k, n in body.get("files", [])],
+            added=None if "added" not in body else (int(body["added"][0]), int(body["added"][1])),
         )
     except CorruptError:
         raise
