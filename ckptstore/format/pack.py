@@ -1,0 +1,143 @@
+"""Packs: many tensors in one object, each readable on its own (the building block of format 2).
+
+A ZeRO-3 job stores every parameter split across every rank: one object per fragment is a
+million objects a step at 70B on 512 ranks. A pack holds one rank's fragments of one layer, so
+a step has ranks x layers objects. Layout (integers little-endian)::
+
+    b"CKPK"  u8 version  u32 len(index)  index  entry blob  entry blob  ...
+
+The index is canonical JSON: ``[[name, kind, start, key, offset, length], ...]`` in entry order,
+where ``key`` is the entry tensor's content key (``codec.tensor_key``) and ``offset``/``length``
+place its blob (a ``codec`` blob, self-describing) in the pack, counted from the pack's first
+byte. The pack's key is the xxh3-128 of the index: the index names every tensor by content,
+so equal contents make equal packs, and an unchanged layer is stored once.
+
+Reading one entry needs the first 9 bytes, the index, and that entry's range; every entry read
+re-hashes its tensor, and ``parse_index`` checks the index against the pack key.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from ..errors import CorruptError
+from . import codec
+from .config import check_version
+
+MAGIC = b"CKPK"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<4sBI")  # magic, version, index length
+# An index longer than this is not one ckptstore wrote (about 100 bytes an entry).
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a pack: ``kind`` of ``name`` from element ``start``, its content ``key``,
+    and where its blob lies in the pack."""
+
+    name: str
+    kind: str
+    start: int
+    key: str
+    offset: int
+    length: int
+
+
+def pack_key(index: bytes) -> str:
+    """The content key of a pack: 32 hex digits of xxh3-128 over its index."""
+    return xxhash.xxh3_128(index).hexdigest()
+
+
+def encode_parts(tensors: list[tuple[str, str, int, torch.Tensor]]) -> tuple[str, list, list[Entry]]:
+    """Encode ``(name, kind, start, tensor)`` items as one pack: ``(key, buffers, entries)``.
+
+    The pack is the buffers laid end to end (written without joining them, as blobs are).
+    """
+    blobs = [codec.encode_parts(tensor) for _, _, _, tensor in tensors]
+    sizes = [sum(memoryview(part).nbytes for part in parts) for _, parts in blobs]
+    # The offsets depend on the index's length, which depends on the offsets' digits: settle it.
+    length = 0
+    while True:
+        offset = PREAMBLE.size + length
+        entries = []
+        for (name, kind, start, _), (key, _), size in zip(tensors, blobs, sizes, strict=True):
+            entries.append(Entry(name, kind, start, key, offset, size))
+            offset += size
+        index = _index_bytes(entries)
+        if len(index) == length:
+            break
+        length = len(index)
+    parts = [PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(index)), index]
+    for _, blob_parts in blobs:
+        parts.extend(blob_parts)
+    return pack_key(index), parts, entries
+
+
+def _index_bytes(entries: list[Entry]) -> bytes:
+    rows = [[e.name, e.kind, e.start, e.key, e.offset, e.length] for e in entries]
+    return json.dumps(rows, separators=(",", ":")).encode()
+
+
+def index_length(preamble: bytes | memoryview) -> int:
+    """The index length a pack's first ``PREAMBLE.size`` bytes declare; refuses what is no pack."""
+    if len(preamble) < PREAMBLE.size:
+        raise CorruptError("truncated pack (no preamble)")
+    magic, version, length = PREAMBLE.unpack_from(preamble)
+    if magic != MAGIC:
+        raise CorruptError("not a ckptstore pack (bad magic)")
+    check_version("pack", version, FORMAT_VERSION)
+    if length > MAX_INDEX_BYTES:
+        raise CorruptError(f"pack index of {length} bytes is implausibly large")
+    return length
+
+
+def parse_index(head: bytes | memoryview, key: str | None = None) -> list[Entry]:
+    """The entries of a pack from its first bytes (preamble and index; more is ignored).
+
+    With ``key``, the index must hash to it. Raises CorruptError for anything malformed,
+    UnsupportedError for a pack of a newer format.
+    """
+    length = index_length(head)
+    index = bytes(memoryview(head)[PREAMBLE.size : PREAMBLE.size + length])
+    if len(index) != length:
+        raise CorruptError("truncated pack index")
+    if key is not None and pack_key(index) != key:
+        raise CorruptError(f"pack index does not hash to {key}")
+    try:
+        entries = [
+            Entry(str(name), str(kind), int(start), str(tensor), int(offset), int(size))
+            for name, kind, start, tensor, offset, size in json.loads(index)
+        ]
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise CorruptError(f"malformed pack index: {exc!r}") from None
+    position = PREAMBLE.size + length
+    for entry in entries:
+        if entry.offset != position or entry.length < 0:
+            raise CorruptError(f"pack entry {entry.name} {entry.kind} is not where the index puts it")
+        position += entry.length
+    return entries
+
+
+def decode_entry(data: bytes | memoryview, entry: Entry) -> torch.Tensor:
+    """The tensor of ``entry`` from ``data``, the pack's bytes from ``entry.offset`` on (at least
+    ``entry.length`` of them), verified against its content key."""
+    blob = memoryview(data)[: entry.length]
+    if len(blob) != entry.length:
+        raise CorruptError(f"pack entry {entry.name} {entry.kind} is truncated")
+    return codec.decode(blob, entry.key)
+
+
+def decode(data: bytes | memoryview, key: str | None = None) -> list[tuple[Entry, torch.Tensor]]:
+    """Every entry of a whole pack with its verified tensor; the pack must end after its last."""
+    view = memoryview(data)
+    entries = parse_index(view, key)
+    end = entries[-1].offset + entries[-1].length if entries else PREAMBLE.size + index_length(view)
+    if len(view) != end:
+        raise CorruptError(f"pack holds {len(view)} bytes, its index accounts for {end}")
+    return [(entry, decode_entry(view[entry.offset :], entry)) for entry in entries]
