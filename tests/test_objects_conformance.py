@@ -101,6 +101,20 @@ def test_an_object_given_as_a_list_of_buffers_is_their_concatenation(backend):
     assert backend.objects.get("blobs/ab/bigparts") == b"".join(big)
 
 
+def test_a_range_of_an_object_is_read_alone(backend):
+    data = bytes(range(256)) * 8
+    backend.objects.put_if_absent("packs/p", data)
+    assert backend.objects.get_range("packs/p", 100, 50) == data[100:150]
+    assert backend.objects.get_range("packs/p", 0, len(data)) == data
+    assert backend.objects.get_range("packs/p", len(data) - 10, 50) == data[-10:]  # cut at the end
+    assert backend.objects.get_range("packs/p", len(data) + 5, 10) == b""
+    assert backend.objects.get_range("packs/p", 7, 0) == b""
+    with pytest.raises(NotFoundError):
+        backend.objects.get_range("packs/missing", 0, 10)
+    with pytest.raises(NotFoundError):
+        backend.objects.get_range("packs/missing", 0, 0)
+
+
 def test_missing_objects_raise_not_found(backend):
     objects = backend.objects
     with pytest.raises(NotFoundError):

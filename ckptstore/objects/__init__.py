@@ -70,6 +70,11 @@ class ObjectStore(abc.ABC):
         """The object's bytes; raises NotFoundError if it does not exist."""
 
     @abc.abstractmethod
+    def get_range(self, name: str, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from byte ``start`` (fewer where it ends first; none
+        past its end): one entry of a pack without the rest. NotFoundError if it does not exist."""
+
+    @abc.abstractmethod
     def info(self, name: str) -> ObjectInfo:
         """Size and time of the object; raises NotFoundError if it does not exist."""
 

@@ -139,6 +139,28 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise _storage_error("read", name, exc) from None
 
+    def get_range(self, name: str, start: int, length: int) -> bytes:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(f"object {name} is missing from {self.uri}") from None
+        except OSError as exc:
+            raise _storage_error("read", name, exc) from None
+        try:
+            chunks, done = [], 0
+            while done < length:  # pread may return less than asked before the end
+                chunk = os.pread(fd, length - done, start + done)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                done += len(chunk)
+            return b"".join(chunks)
+        except OSError as exc:
+            raise _storage_error("read", name, exc) from None
+        finally:
+            os.close(fd)
+
     def info(self, name: str) -> ObjectInfo:
         try:
             st = self._path(name).stat()

@@ -348,6 +348,21 @@ class S3ObjectStore(ObjectStore):
             self._call("read", name, lambda: list(pool.map(fetch, starts)))
         return bytes(buffer)
 
+    def get_range(self, name: str, start: int, length: int) -> bytes:
+        key = self._key(name)
+        if length <= 0:
+            self.info(name)  # NotFoundError for a missing object, as a read of bytes would
+            return b""
+        try:
+            data, _, _ = self._get_range(key, start, length)
+        except ClientError as exc:
+            if _code(exc)[0] != "InvalidRange":
+                raise self._error("read", name, exc) from None
+            return b""  # the range starts past the end
+        except BotoCoreError as exc:
+            raise self._error("read", name, exc) from None
+        return data
+
     def _get_range(
         self, key: str, start: int | None, length: int | None, etag: str | None = None
     ) -> tuple[bytes, int, str]:
