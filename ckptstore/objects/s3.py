@@ -49,19 +49,13 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionClosedError,
-    ConnectTimeoutError,
-    EndpointConnectionError,
-    IncompleteReadError,
-    NoCredentialsError,
-    ReadTimeoutError,
-    ResponseStreamingError,
 )
 
 from .. import knobs
-from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError
+from ..errors import BadInputError, CkptStoreError, NotFoundError
 from . import Data, ObjectInfo, ObjectStore, check_name, data_size, joined
 from .retry import retry
+from .s3_errors import STREAM_ERRORS, error_code, is_conflict, is_missing, is_precondition_failed, translate
 
 T = TypeVar("T")
 
@@ -70,13 +64,6 @@ _COPY_LIMIT = 5 * 1024**3
 
 _LOADER = botocore.loaders.create_loader()
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_ACCESS_CODES = {
-    "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-    "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AccountProblem",
-}  # fmt: skip
-_NETWORK_ERRORS = (EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError, ReadTimeoutError)
-# Failures while reading a response body happen after botocore's retry loop has returned.
-_STREAM_ERRORS = (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -96,31 +83,6 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 def _create_only(params: dict, **_: Any) -> None:
     # Every object this backend writes is create-only; see the module docstring.
     params.setdefault("IfNoneMatch", "*")
-
-
-def _code(exc: ClientError) -> tuple[str, int | None]:
-    error = exc.response.get("Error", {})
-    return str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-def _is_precondition_failed(exc: ClientError) -> bool:
-    code, status = _code(exc)
-    return status == 412 or code == "PreconditionFailed"
-
-
-def _is_conflict(exc: Exception) -> bool:
-    # 412 wins: a write that found the key already there is finished, so never retried.
-    if not isinstance(exc, ClientError) or _is_precondition_failed(exc):
-        return False
-    code, status = _code(exc)
-    return status == 409 or code == "ConditionalRequestConflict"
-
-
-def _is_missing(exc: Exception) -> bool:
-    if not isinstance(exc, ClientError):
-        return False
-    code, status = _code(exc)
-    return code in ("NoSuchKey", "404", "NotFound") or (status == 404 and code != "NoSuchBucket")
 
 
 class S3ObjectStore(ObjectStore):
@@ -164,7 +126,7 @@ class S3ObjectStore(ObjectStore):
         try:
             self.client.head_bucket(Bucket=self.bucket)
         except ClientError as exc:
-            code, status = _code(exc)
+            code, status = error_code(exc)
             if status == 404 or code == "NoSuchBucket":
                 raise NotFoundError(
                     f"bucket {self.bucket} does not exist at {self.endpoint} "
@@ -179,40 +141,10 @@ class S3ObjectStore(ObjectStore):
     def _any_object(self) -> bool:
         return self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)["KeyCount"] > 0
 
-    # -- errors ----------------------------------------------------------------------------
-
     def _error(self, action: str, name: str, exc: Exception) -> CkptStoreError:
-        where = f"{self.uri}/{name}" if name else self.uri
-        if isinstance(exc, ClientError):
-            code, status = _code(exc)
-            message = exc.response.get("Error", {}).get("Message") or code
-            if code == "NoSuchBucket":
-                return NotFoundError(f"bucket {self.bucket} does not exist at {self.endpoint}")
-            if _is_missing(exc):
-                return NotFoundError(f"object {name} is missing from {self.uri}")
-            if status == 403 or code in _ACCESS_CODES:
-                return StorageError(
-                    f"cannot {action} {where}: access denied ({code}: {message}); "
-                    "check the AWS credentials and the bucket policy"
-                )
-            if status is not None and (status >= 500 or status == 429 or code in ("SlowDown", "Throttling")):
-                return StorageError(
-                    f"cannot {action} {where}: {code} ({message}), still failing after "
-                    f"{knobs.s3_max_attempts()} attempts",
-                    transient=True,
-                )
-            return StorageError(f"cannot {action} {where}: {code} ({message})")
-        if isinstance(exc, NoCredentialsError):
-            return StorageError(
-                f"cannot {action} {where}: no AWS credentials found (environment, ~/.aws, or an instance role)"
-            )
-        if isinstance(exc, _NETWORK_ERRORS + _STREAM_ERRORS):
-            return StorageError(
-                f"cannot {action} {where}: {self.endpoint} unreachable after "
-                f"{knobs.s3_max_attempts()} attempts ({exc})",
-                transient=True,
-            )
-        return StorageError(f"cannot {action} {where}: {exc}")
+        return translate(
+            exc, action=action, name=name, uri=self.uri, bucket=self.bucket, endpoint=self.endpoint
+        )
 
     def _call(self, action: str, name: str, fn: Callable[[], T]) -> T:
         try:
@@ -249,10 +181,10 @@ class S3ObjectStore(ObjectStore):
 
     def _put_create_only(self, name: str, put: Callable[[], None]) -> bool:
         try:
-            retry(put, attempts=knobs.s3_max_attempts(), should_retry=_is_conflict)
+            retry(put, attempts=knobs.s3_max_attempts(), should_retry=is_conflict)
             return True
         except ClientError as exc:
-            if _is_precondition_failed(exc):
+            if is_precondition_failed(exc):
                 return False
             raise self._error("write", name, exc) from None
         except BotoCoreError as exc:
@@ -285,7 +217,7 @@ class S3ObjectStore(ObjectStore):
                     Config=self.transfer_config,
                 )  # fmt: skip
         except (ClientError, BotoCoreError) as exc:
-            if _is_missing(exc):
+            if is_missing(exc):
                 return None  # deleted (by gc) since the HEAD: the caller writes it again
             raise self._error("freshen", name, exc) from None
         return size
@@ -308,7 +240,7 @@ class S3ObjectStore(ObjectStore):
         try:
             return self.client.head_object(Bucket=self.bucket, Key=key)
         except (ClientError, BotoCoreError) as exc:
-            if _is_missing(exc):
+            if is_missing(exc):
                 return None
             raise self._error("read", name, exc) from None
 
@@ -327,7 +259,7 @@ class S3ObjectStore(ObjectStore):
         try:
             first, total, etag = self._get_range(key, 0, threshold)
         except ClientError as exc:
-            if _code(exc)[0] != "InvalidRange":
+            if error_code(exc)[0] != "InvalidRange":
                 raise self._error("read", name, exc) from None
             # An empty object has no byte 0 to ask for.
             first, total, etag = self._call("read", name, lambda: self._get_range(key, None, None))
@@ -356,7 +288,7 @@ class S3ObjectStore(ObjectStore):
         try:
             data, _, _ = self._get_range(key, start, length)
         except ClientError as exc:
-            if _code(exc)[0] != "InvalidRange":
+            if error_code(exc)[0] != "InvalidRange":
                 raise self._error("read", name, exc) from None
             return b""  # the range starts past the end
         except BotoCoreError as exc:
@@ -386,7 +318,7 @@ class S3ObjectStore(ObjectStore):
         response, data = retry(
             request,
             attempts=knobs.s3_max_attempts(),
-            should_retry=lambda exc: reading and isinstance(exc, _STREAM_ERRORS),
+            should_retry=lambda exc: reading and isinstance(exc, STREAM_ERRORS),
         )
         content_range = response.get("ContentRange")
         # "bytes 0-99/12345"; absent when the server sent the whole object.
