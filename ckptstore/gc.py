@@ -142,14 +142,19 @@ def collect(
         if dry_run:
             return report
 
-        for step in dropped:
-            objects.delete(layout.manifest_name(step))
+        _delete(objects, [layout.manifest_name(step) for step in dropped], "manifest")
         catalog.drop_steps(dropped)
-        for info in progress_bar(doomed.gone + doomed_files.gone, total=report.blobs_freed + report.files_freed,
-                                 desc="gc", unit="object"):  # fmt: skip
-            objects.delete(info.name)
+        _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")
         catalog.forget_blobs(doomed.gone_keys)
         return report
+
+
+def _delete(objects: ObjectStore, names: list[str], unit: str) -> None:
+    """Delete ``names`` in the backend's batches (one request per 1000 on S3), with progress."""
+    size = max(1, objects.delete_batch)
+    batches = [names[i : i + size] for i in range(0, len(names), size)]
+    for batch in progress_bar(batches, total=len(batches), desc=f"gc ({size} {unit}s a batch)", unit="batch"):
+        objects.delete_many(batch)
 
 
 @dataclass

@@ -115,6 +115,15 @@ def test_a_range_of_an_object_is_read_alone(backend):
         backend.objects.get_range("packs/missing", 0, 0)
 
 
+def test_many_objects_are_deleted_in_one_call_and_missing_ones_are_no_error(backend):
+    names = [f"blobs/aa/{i:04d}" for i in range(12)]
+    for name in names:
+        backend.objects.put_if_absent(name, b"x")
+    backend.objects.delete_many([*names[:10], "blobs/aa/missing"])
+    assert [info.name for info in backend.objects.list("blobs/")] == names[10:]
+    backend.objects.delete_many([])
+
+
 def test_missing_objects_raise_not_found(backend):
     objects = backend.objects
     with pytest.raises(NotFoundError):

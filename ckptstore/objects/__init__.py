@@ -92,6 +92,15 @@ class ObjectStore(abc.ABC):
     def delete(self, name: str) -> None:
         """Remove the object; deleting a missing object is not an error."""
 
+    #: How many names ``delete_many`` takes in one request (S3's DeleteObjects: 1000).
+    delete_batch: int = 1000
+
+    def delete_many(self, names: list[str]) -> None:
+        """Remove every object named (missing ones are not an error), in as few requests as
+        the backend allows; at most ``delete_batch`` names a call."""
+        for name in names:
+            self.delete(name)
+
     def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager:
         """Hold the store's gc lock: shared while committing, exclusive while collecting garbage.
 

@@ -52,7 +52,7 @@ from botocore.exceptions import (
 )
 
 from .. import knobs
-from ..errors import BadInputError, CkptStoreError, NotFoundError
+from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError
 from . import Data, ObjectInfo, ObjectStore, check_name, data_size, joined
 from .retry import retry
 from .s3_errors import STREAM_ERRORS, error_code, is_conflict, is_missing, is_precondition_failed, translate
@@ -233,6 +233,23 @@ class S3ObjectStore(ObjectStore):
     def delete(self, name: str) -> None:
         key = self._key(name)
         self._call("delete", name, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
+
+    def delete_many(self, names: list[str]) -> None:
+        if not names:
+            return
+        if len(names) > self.delete_batch:
+            raise BadInputError(f"delete_many takes at most {self.delete_batch} names, not {len(names)}")
+        objects = [{"Key": self._key(name)} for name in names]
+        response = self._call(
+            "delete", names[0],
+            lambda: self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}),
+        )  # fmt: skip
+        # A batch answers 200 with per-key errors; a missing key is not one of them.
+        for error in response.get("Errors", []):
+            name = error.get("Key", "")[len(self.prefix) :]
+            raise StorageError(
+                f"cannot delete {self.uri}/{name}: {error.get('Code')} ({error.get('Message')})"
+            )
 
     # -- reading ---------------------------------------------------------------------------
 
