@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -68,26 +69,19 @@ def llama_params(model: dict) -> list[tuple[str, tuple[int, ...]]]:
     return params + [("model.norm.weight", (h,)), ("lm_head.weight", (model["vocab"], h))]
 
 
-def numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total
-
-
 def rank_fragments(params, world_size: int, stage: int):
     """Every (rank, name, start, count) a job of ``world_size`` ranks at ``stage`` stores."""
     if stage == 3:
         for rank in range(world_size):
             for name, shape in params:
-                start, count = zero3_bounds(numel(shape), world_size, rank)
+                start, count = zero3_bounds(math.prod(shape), world_size, rank)
                 if count:
                     yield rank, name, start, count
         return
     # ZeRO-1/2: two flat groups (weight decay, none for norms), each partitioned evenly.
     groups = [[p for p in params if "norm" not in p[0]], [p for p in params if "norm" in p[0]]]
     for group in groups:
-        numels = [numel(shape) for _, shape in group]
+        numels = [math.prod(shape) for _, shape in group]
         size = flat_partition_size(sum(numels), world_size)
         for rank in range(world_size):
             for index, start, count, _ in flat_fragments(numels, rank * size, (rank + 1) * size):

@@ -1,8 +1,6 @@
 """The SQLite catalog: which steps exist, which blob every layer's tensors map to, step state.
 
-Schema changes only through ``migrations/`` (shipped as ``ckptstore.catalog.migrations``). Opening a
-catalog applies pending migrations and refuses one whose schema is newer than this code.
-A step becomes visible by ``record_step``, one transaction that writes every row of the step.
+The file, its schema and its transactions are ``database``'s. A step becomes visible by ``record_step``, one transaction that writes every row of the step.
 
 The index of an S3 store may also *list* steps it has not imported yet (``set_listed``): its
 ``loader`` imports them the first time a query needs their rows, so every query answers as if
@@ -13,82 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sqlite3
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from sqlite_utils import Database
-
-from ..errors import ConflictError, CorruptError, NotFoundError, UnsupportedError
+from ..errors import ConflictError, NotFoundError
 from ..layers import layer_of
 from ..model import BlobRow, FileRow, LayerRow, StepRecord, StepRow, TensorRow, group_by_source
+from . import database
 
 
 class Catalog:
     """Access to one catalog database file (created with the current schema when missing)."""
 
     def __init__(self, path: str | Path) -> None:
-        from .migrations import migrations
-
         self.path = Path(path)
         # Imports listed steps that are not recorded yet (catalog.sync); None: nothing is listed.
         self.loader: Callable[[list[int]], None] | None = None
-        try:
-            # Ranks of one job open the same catalog at once: wait for locks instead of failing.
-            # check_same_thread=False: a non-blocking commit records its step from its
-            # background thread; the store never runs two commits at once.
-            connection = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
-            self.db = Database(connection)
-            self.db.execute("PRAGMA busy_timeout=60000")
-            self._enable_wal()
-            self.db.execute("PRAGMA synchronous=FULL")
-            schema = migrations()
-            known = {m.name for m in schema._migrations}
-            newer = [m.name for m in schema.applied(self.db) if m.name not in known]
-            if newer:
-                raise UnsupportedError(
-                    f"the catalog {self.path} has schema migrations this ckptstore does not know "
-                    f"({', '.join(newer)}); upgrade ckptstore to open it"
-                )
-            if schema.pending(self.db):
-                # One writer at a time: the others wait here and then find nothing pending.
-                with self.write_transaction():
-                    schema.apply(self.db)
-        except sqlite3.DatabaseError as exc:
-            raise CorruptError(f"catalog {self.path} cannot be opened: {exc}") from None
+        self.db = database.connect(self.path)
 
-    def _enable_wal(self) -> None:
-        # Switching a new database to WAL needs an exclusive lock and SQLite answers "locked"
-        # at once, without its busy handler, while another process (another rank) does the same.
-        for attempt in range(200):
-            try:
-                self.db.execute("PRAGMA journal_mode=WAL")
-                return
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) or attempt == 199:
-                    raise
-                time.sleep(0.05)
-
-    @contextlib.contextmanager
-    def write_transaction(self) -> Iterator[None]:
-        """One transaction that holds the write lock from its first statement.
-
-        Several processes write one catalog (ranks sharing a cache, gc next to commits). In a
-        deferred transaction (sqlite-utils' ``atomic``) a reader that then writes fails at
-        once with "database is locked" when another process wrote meanwhile, whatever the
-        busy timeout; BEGIN IMMEDIATE waits for the lock instead, then reads the other's rows.
-        """
-        if self.db.conn.in_transaction:  # nested: the outer transaction holds the lock
-            yield
-            return
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+    def write_transaction(self) -> contextlib.AbstractContextManager:
+        """One transaction holding the write lock from its first statement (``database``)."""
+        return database.write_transaction(self.db)
 
     def close(self) -> None:
         """Close the database connection."""
@@ -110,7 +53,8 @@ class Catalog:
         """The steps whose rows this catalog holds (listed ones not imported yet left out)."""
         return [row[0] for row in self.db.execute("SELECT step FROM steps ORDER BY step")]
 
-    def _recorded(self, step: int) -> bool:
+    def is_recorded(self, step: int) -> bool:
+        """Whether this catalog holds ``step``'s rows (not only lists it)."""
         return self.db.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone() is not None
 
     def load(self, steps: Iterable[int] | None = None) -> None:
@@ -154,7 +98,7 @@ class Catalog:
 
     def _require(self, step: int) -> None:
         self.load([step])
-        if not self._recorded(step):
+        if not self.is_recorded(step):
             known = self.steps()
             hint = f"; committed steps: {_summary(known)}" if known else "; the store has no steps yet"
             raise NotFoundError(f"step {step} does not exist{hint}")
@@ -308,7 +252,7 @@ class Catalog:
         """
         step = record.step
         with self.write_transaction():
-            if self._recorded(step):
+            if self.is_recorded(step):
                 if if_absent:
                     return False
                 raise ConflictError(f"step {step} is already committed")

@@ -134,7 +134,7 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
 
 def import_step(catalog: Catalog, objects: ObjectStore, step: int) -> None:
     """Import one step another process just committed, if this catalog does not have it yet."""
-    if step not in catalog.recorded_steps():
+    if not catalog.is_recorded(step):
         import_record(catalog, read_manifest(objects, step))
 
 
