@@ -5,8 +5,8 @@ Order of a collection, each phase safe to interrupt:
    step unless asked, and refuse to run at all if a kept step already misses a blob.
 2. Drop the other steps: their manifests first, then their catalog rows in one transaction.
    Tensor rows that a kept composite step still inherits stay.
-3. Sweep: delete every blob and stored auxiliary file (``files=``) no kept step references
-   and older than the grace period.
+3. Sweep: delete every pack, blob and stored auxiliary file (``files=``) no kept step
+   references and older than the grace period.
 
 Concurrency. A commit holds the store's gc lock shared from choosing its layers to recording
 its step; gc holds it exclusive from step 2 to the end. So a gc runs wholly before a commit
@@ -132,6 +132,9 @@ def collect(
 
         cutoff = (time.time() if now is None else now) - grace
         doomed = _unreferenced(layout.list_blobs(objects), catalog.blobs_of_steps(kept), cutoff, "blob")
+        doomed_packs = _unreferenced(layout.list_packs(objects), catalog.packs_of_steps(kept), cutoff, "pack")
+        doomed.gone += doomed_packs.gone
+        doomed.spared += doomed_packs.spared
         doomed_files = _unreferenced(
             layout.list_files(objects), catalog.files_of_steps(kept), cutoff, "auxiliary file"
         )

@@ -103,3 +103,9 @@ def sample_size() -> int:
 def max_file_bytes() -> int:
     """Largest auxiliary file a commit stores with a step (``commit(files=...)``)."""
     return _int("MAX_FILE_BYTES", 256 * 1024 * 1024)
+
+
+def pack_bytes() -> int:
+    """Tensor bytes past which a rank's pack of one layer is cut into several (format 2): bounds
+    what a commit holds encoded per thread, and lets a big layer compress on several cores."""
+    return _int("PACK_BYTES", 64 * 1024 * 1024)

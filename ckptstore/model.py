@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # Kinds of stored tensors besides optimizer state names such as ``exp_avg``.
@@ -134,6 +135,63 @@ class StepRow:
     blobs_added: int
 
 
+@dataclass(frozen=True)
+class PackRef:
+    """One pack of a layer: the tensors one rank saved of it (or a part of them, past a size)."""
+
+    key: str
+    rank: int
+    size: int  # stored bytes
+    raw_size: int  # bytes of the tensors it holds
+
+
+# Columns of ``LayerPacks.fragments``.
+TENSOR, PACK, START, NUMEL = range(4)
+
+
+@dataclass(eq=False)
+class LayerPacks:
+    """Where every tensor of one layer saved at ``step`` is stored: the format-2 fragment index.
+
+    ``tensors`` lists the layer's stored ``(name, kind, dtype)``; ``fragments`` has one row per
+    stored piece, ``[tensor, pack, start, numel]`` (indexes into ``tensors`` and ``packs``),
+    sorted by tensor and start. Arrays rather than rows: a ZeRO-3 layer on 512 ranks is
+    thousands of fragments, and a step's index is read whole before anything is fetched.
+    """
+
+    step: int
+    layer: str
+    packs: list[PackRef]
+    tensors: list[tuple[str, str, str]]
+    fragments: np.ndarray  # int64, shape (n, 4)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LayerPacks):
+            return NotImplemented
+        return (self.step, self.layer, self.packs, self.tensors) == (
+            other.step, other.layer, other.packs, other.tensors,
+        ) and np.array_equal(self.fragments, other.fragments)  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        """Stored bytes of the layer's packs."""
+        return sum(p.size for p in self.packs)
+
+    @property
+    def raw_size(self) -> int:
+        """Bytes of the layer's tensors."""
+        return sum(p.raw_size for p in self.packs)
+
+    def by_tensor(self) -> dict[tuple[str, str], tuple[str, np.ndarray]]:
+        """``(name, kind)`` -> (dtype, its fragment rows in start order)."""
+        column = self.fragments[:, TENSOR]
+        bounds = np.searchsorted(column, np.arange(len(self.tensors) + 1))
+        return {
+            (name, kind): (dtype, self.fragments[bounds[t] : bounds[t + 1]])
+            for t, (name, kind, dtype) in enumerate(self.tensors)
+        }
+
+
 # layer -> (step compared with, relative update of its fp32 masters since then)
 Updates = dict[str, tuple[int | None, float | None]]
 
@@ -157,6 +215,9 @@ class StepRecord:
     blobs: list[BlobRow]
     updates: Updates = field(default_factory=dict)
     files: list[FileRow] = field(default_factory=list)
+    # Format 2: the fragment index of every layer stored in packs (own and inherited ones),
+    # by layer; ``tensors`` and ``blobs`` then hold only layers inherited from format-1 steps.
+    packs: dict[str, LayerPacks] = field(default_factory=dict)
     # (blobs, bytes) the commit added to the store, as the committing machine counted them;
     # None in manifests written before it was recorded.
     added: tuple[int, int] | None = None

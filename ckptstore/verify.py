@@ -1,4 +1,4 @@
-"""``verify``: does every blob and auxiliary file a committed step references exist, intact?
+"""``verify``: does every pack, blob and auxiliary file a committed step references exist, intact?
 
 Read-only: problems are reported, never repaired. What no step references (orphan blobs,
 manifests of steps that never committed, stray objects under a known prefix) is information.
@@ -14,14 +14,15 @@ from . import auxfiles, knobs
 from .catalog import Catalog
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .format import layout
-from .materialize.reader import fetch_blob
+from .materialize.reader import fetch_blob, fetch_pack
 from .objects import ObjectStore
 from .progress import progress_bar
 
 
 @dataclass
 class BlobProblem:
-    """A referenced blob that is missing or corrupt, with every (step, layer, name, kind) needing it."""
+    """A referenced pack or blob that is missing or corrupt, with every (step, layer, name, kind)
+    needing it (for a pack, name says whose tensors it holds and kind is ``pack``)."""
 
     blob: str
     problem: str
@@ -29,6 +30,8 @@ class BlobProblem:
 
     def describe(self) -> str:
         layer, name, kind = self.users[0][1:]
+        if kind == "pack":
+            return f"pack {self.blob} ({layer}: {name}) {self.problem}; {_needed_by(self.users)}"
         return f"blob {self.blob} ({layer}: {name} {kind}) {self.problem}; {_needed_by(self.users)}"
 
 
@@ -95,14 +98,14 @@ class VerifyReport:
 
 
 def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> VerifyReport:
-    """Check every blob and auxiliary file the committed steps reference, and the catalog.
+    """Check every pack, blob and auxiliary file the committed steps reference, and the catalog.
 
     Contract as ``Store.verify``. Listing each namespace once, it checks that every referenced
-    blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes each.
+    pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes each.
     """
     report = VerifyReport(deep=deep)
     users = catalog.referenced_blobs()
-    sizes = catalog.blob_sizes(users)
+    sizes = {key: size.size for key, size in catalog.blob_sizes(users).items()}
     report.catalog_problems.extend(catalog.consistency_problems())
     report.catalog_problems.extend(
         f"blob {blob} is referenced but has no size record" for blob in users if blob not in sizes
@@ -115,17 +118,25 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     )
     report.stray_manifests = sorted(manifests.unreferenced(steps))
     blobs = layout.list_blobs(objects)
+    packs = layout.list_packs(objects)
+    pack_users = catalog.referenced_packs()
     stored = {key: info.size for key, info in blobs.found.items()}
+    stored.update((key, info.size) for key, info in packs.found.items())
+    sizes.update((key, ref.size) for key, (ref, _) in pack_users.items())
+    users.update((key, found) for key, (_, found) in pack_users.items())
     cpu = threading.BoundedSemaphore(knobs.cpu_threads())
 
     def check(key: str) -> tuple[str, str | None, int]:
         if key not in stored:
             return key, "is missing", 0
-        if key in sizes and stored[key] != sizes[key].size:
-            return key, f"has {stored[key]} bytes, the catalog recorded {sizes[key].size}", stored[key]
+        if key in sizes and stored[key] != sizes[key]:
+            return key, f"has {stored[key]} bytes, the catalog recorded {sizes[key]}", stored[key]
         if deep:
             try:
-                fetch_blob(objects, key, cpu)
+                if key in pack_users:
+                    fetch_pack(objects, key, cpu)
+                else:
+                    fetch_blob(objects, key, cpu)
             except NotFoundError:
                 return key, "is missing", 0
             except CorruptError as exc:
@@ -136,15 +147,15 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
 
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
         checks = pool.map(check, users) if deep else map(check, users)
-        for key, problem, size in progress_bar(checks, total=len(users), desc="verify", unit="blob"):
+        for key, problem, size in progress_bar(checks, total=len(users), desc="verify", unit="object"):
             report.blobs_checked += 1
             report.bytes_checked += size
             if problem:
                 report.problems.append(BlobProblem(key, problem, users[key]))
-    report.orphans = sorted(blobs.unreferenced(users))
+    report.orphans = sorted([*blobs.unreferenced(users), *packs.unreferenced(users)])
     files = layout.list_files(objects)
     _verify_files(objects, catalog, files, report)
-    report.stray_objects = sorted(manifests.stray + blobs.stray + files.stray)
+    report.stray_objects = sorted(manifests.stray + blobs.stray + packs.stray + files.stray)
     return report
 
 

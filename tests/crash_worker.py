@@ -41,7 +41,7 @@ def die_at(store, stage: str) -> None:
     train(eng, batches(1))
     store.commit(eng, step=1)
     train(eng, batches(2)[1:])
-    if stage == "blob":  # some blobs of step 2 are written, then the process dies
+    if stage == "blob":  # some packs of step 2 are written, then the process dies
         put, calls = store.objects.put_if_absent, []
 
         def dying_put(name, data):
@@ -112,7 +112,7 @@ def gc_die_after(store, n: int) -> None:
     delete = store.objects.delete
 
     def dying_delete(name):
-        if name.startswith("blobs/"):
+        if name.startswith("packs/"):
             calls["n"] += 1
             if calls["n"] > n:
                 os._exit(9)

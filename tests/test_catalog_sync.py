@@ -10,7 +10,7 @@ import pytest
 
 import ckptstore
 from ckptstore.catalog.sync import cache_path
-from ckptstore.format.layout import manifest_name
+from ckptstore.format.layout import manifest_name, pack_name
 from tools.engines import batches, build_engine, train
 
 DATA = batches(4)
@@ -66,10 +66,10 @@ def test_catalog_rebuild_restores_a_lost_local_catalog(tmp_path, run):
 def test_rebuild_leaves_out_and_reports_unreadable_manifests_and_steps_missing_blobs(s3, run):
     store = ckptstore.open(s3.uri())
     commit_three_steps(store)
-    step1 = json.loads(store.objects.get(manifest_name(1)))
-    only_in_step1 = {key for key, _, _ in step1["blobs"]} - store.catalog.blobs_of_steps([2, 3])
+    only_in_step1 = store.catalog.packs_of_steps([1]) - store.catalog.packs_of_steps([2, 3])
+    assert only_in_step1
     for key in only_in_step1:
-        store.objects.delete(f"blobs/{key[:2]}/{key}")
+        store.objects.delete(pack_name(key))
     s3.client.put_object(Bucket=s3.bucket, Key="run/" + manifest_name(3), Body=b"{not json")
 
     code, out, _ = run("--store", s3.uri(), "catalog", "rebuild")

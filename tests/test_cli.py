@@ -58,8 +58,8 @@ def test_verify_is_clean_and_says_so(run, store_path):
     assert report["ok"] and report["problems"] == []
 
 
-def test_verify_names_a_corrupt_blob_and_exits_1(run, store_path, tmp_path):
-    blob = sorted((store_path / "blobs").rglob("*"))[-1]
+def test_verify_names_a_corrupt_pack_and_exits_1(run, store_path, tmp_path):
+    blob = sorted(p for p in (store_path / "packs").rglob("*") if p.is_file())[-1]
     original = blob.read_bytes()
     blob.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
     try:
@@ -201,36 +201,42 @@ def _newer(path, name, old, new):
 
 
 def test_a_store_written_by_a_newer_format_is_refused_with_exit_6(run, gc_store):
-    _newer(gc_store, "config.json", b'"format_version": 1', b'"format_version": 2')
+    _newer(gc_store, "config.json", b'"format_version": 2', b'"format_version": 3')
     for args in (["log"], ["verify"], ["catalog", "rebuild"]):
         result = run("--store", gc_store, *args)
         assert result.returncode == 6, (args, result.stderr)
-        assert "format version 2" in result.stderr and "upgrade ckptstore" in result.stderr
+        assert "format version 3" in result.stderr and "upgrade ckptstore" in result.stderr
 
 
 def test_a_manifest_written_by_a_newer_format_is_refused_by_catalog_rebuild(run, gc_store):
     from ckptstore.format.layout import manifest_name
 
-    _newer(gc_store, manifest_name(400), b'"version":1', b'"version":2')
+    _newer(gc_store, manifest_name(400), b"CKPM\x02", b"CKPM\x03")
     before = (gc_store / "catalog.db").read_bytes()
     result = run("--store", gc_store, "catalog", "rebuild")
     assert result.returncode == 6
-    assert result.stderr.startswith(f"error: {manifest_name(400)}: manifest has format version 2")
+    assert result.stderr.startswith(f"error: {manifest_name(400)}: manifest has format version 3")
     assert (gc_store / "catalog.db").read_bytes() == before  # nothing was replaced
 
 
-def test_a_blob_written_by_a_newer_format_is_refused_by_materialize(run, gc_store, tmp_path):
-    blob = sorted((gc_store / "blobs").rglob("*"))[-1]
+@pytest.mark.parametrize("what", ["pack", "blob"])
+def test_a_pack_or_blob_written_by_a_newer_format_is_refused_by_materialize(run, gc_store, tmp_path, what):
+    from ckptstore.format import pack
+
+    blob = sorted(p for p in (gc_store / "packs").rglob("*") if p.is_file())[-1]
     data = bytearray(blob.read_bytes())
-    data[4] = 2  # the format version byte
+    if what == "pack":
+        data[4] = 2  # the pack's format version byte
+    else:  # the version byte of the first tensor's blob inside the pack
+        data[pack.parse_index(bytes(data))[0].offset + 4] = 2
     blob.write_bytes(bytes(data))
     result = run("--store", gc_store, "materialize", "--step", 400, tmp_path / "out")
     assert result.returncode == 6
-    assert f"blob {blob.name}" in result.stderr and "blob has format version 2" in result.stderr
+    assert f"pack {blob.name}" in result.stderr and f"{what} has format version 2" in result.stderr
     assert not (tmp_path / "out").exists()
     verified = run("--store", gc_store, "verify")
     assert (
         verified.returncode == 1
-        and f"blob {blob.name}" in verified.stdout
+        and f"pack {blob.name}" in verified.stdout
         and "cannot be read" in verified.stdout
     )

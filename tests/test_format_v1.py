@@ -51,3 +51,15 @@ def test_a_v1_store_takes_a_composite_commit_and_gc_keeps_what_it_inherits(v1_st
     assert v1_store.verify().ok
     assert file_digests(v1_store.materialize(30, tmp_path / "out30")) == EXPECTED["30"]
     engine.load_checkpoint(str(v1_store.materialize(40, tmp_path / "out40")))
+    # The new step is format 2 (packs), its inherited layers format 1 (blobs); an older
+    # ckptstore now refuses the store as a whole rather than misreading step 40.
+    assert json.loads(v1_store.objects.get("config.json"))["format_version"] == 2
+    assert [index.layer for index in v1_store.catalog.layer_packs(40)] == ["model.layers.0"]
+    assert {row.layer for row in v1_store.catalog.tensors(30)} >= {"model.layers.1"}
+    # Manifests alone rebuild the mixed store.
+    path = Path(v1_store.objects.root)
+    v1_store.close()
+    assert ckptstore.rebuild_catalog(path).steps == [30, 40]
+    with ckptstore.open(path) as rebuilt:
+        assert file_digests(rebuilt.materialize(30, tmp_path / "again30")) == EXPECTED["30"]
+        assert rebuilt.verify().ok

@@ -17,7 +17,7 @@ import torch
 import ckptstore
 from ckptstore.errors import BadInputError, CorruptError, NotFoundError
 from ckptstore.format import codec
-from ckptstore.format.layout import blob_name
+from ckptstore.format.layout import blob_name, pack_name
 from ckptstore.gc import steps_to_keep
 from tools.engines import batches, build_engine, train
 
@@ -133,12 +133,12 @@ def test_gc_refuses_to_drop_every_step_unless_told(composite_store):
     assert composite_store.steps() == [2, 4, 6]
     report = composite_store.gc(keep_last=0, grace=0, allow_empty=True)
     assert composite_store.steps() == [] and report.steps_dropped == [2, 4, 6]
-    assert list(composite_store.objects.list("blobs/")) == []
+    assert list(composite_store.objects.list("packs/")) == []
 
 
-def test_gc_refuses_to_run_when_a_kept_step_misses_a_blob(composite_store):
-    victim = sorted(composite_store.catalog.blobs_of_steps([6]))[0]
-    composite_store.objects.delete(blob_name(victim))
+def test_gc_refuses_to_run_when_a_kept_step_misses_a_pack(composite_store):
+    victim = sorted(composite_store.catalog.packs_of_steps([6]))[0]
+    composite_store.objects.delete(pack_name(victim))
     with pytest.raises(CorruptError, match="verify"):
         composite_store.gc(keep_last=1, grace=0)
     assert composite_store.steps() == [2, 4, 6]
@@ -165,9 +165,9 @@ def test_verify_reports_orphans_as_information_not_problems(composite_store):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "append", "swap"])
-def test_verify_detects_truncation_trailing_garbage_and_a_blob_under_another_name(composite_store, damage):
+def test_verify_detects_truncation_trailing_garbage_and_a_pack_under_another_name(composite_store, damage):
     root = Path(composite_store.objects.root)
-    blobs = sorted((p for p in (root / "blobs").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    blobs = sorted((p for p in (root / "packs").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     target = blobs[-1]
     if damage == "truncate":
         target.write_bytes(target.read_bytes()[:-10])
@@ -316,8 +316,8 @@ def test_a_commit_reusing_orphans_that_a_running_gc_is_sweeping_keeps_them(tmp_p
     engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
     train(engine, batches(1))
     store.commit(engine, step=1)
-    store.delete(1)  # every blob of step 1 is now an orphan ...
-    for info in store.objects.list("blobs/"):
+    store.delete(1)  # every pack of step 1 is now an orphan ...
+    for info in store.objects.list("packs/"):
         os.utime(Path(store.objects.root) / info.name, (1, 1))  # ... and an old one
 
     sweeping, release = threading.Event(), threading.Event()
@@ -327,7 +327,7 @@ def test_a_commit_reusing_orphans_that_a_running_gc_is_sweeping_keeps_them(tmp_p
         delete = collector_store.objects.delete
 
         def slow_delete(name):
-            if name.startswith("blobs/"):
+            if name.startswith("packs/"):
                 sweeping.set()
                 release.wait(timeout=60)
             delete(name)

@@ -26,13 +26,38 @@ def test_manifest_round_trips():
     assert manifest.decode(manifest.encode(record)) == record
 
 
-def test_manifest_bytes_are_pinned():
-    assert manifest.encode(example()) == (
+def test_format_1_manifests_are_pinned_and_still_decode():
+    assert manifest.encode_v1(example()) == (
         b'{"blobs":[["' + b"ab" * 16 + b'",40,48]],"created_at":"2026-01-01T00:00:00+00:00",'
         b'"description":{"a":1},"layers":[["embed",4],["layers.0",6]],"step":6,'
         b'"tensors":[["layers.0","layers.0.w","fp32",0,12,"' + b"ab" * 16 + b'"]],"version":1,"world_size":2}'
     )
+    assert manifest.decode(manifest.encode_v1(example())) == example()
     assert manifest_name(6) == "manifests/000000000006.json"
+
+
+def with_packs():
+    from ckptstore.format import layerpacks
+    from ckptstore.model import PackRef
+
+    index = layerpacks.build(
+        6, "layers.0", [(PackRef("ef" * 16, 0, 90, 48), [("layers.0.w", "fp32", "float32", 0, 12)])]
+    )
+    return dataclasses.replace(example(), tensors=[], blobs=[], packs={"layers.0": index})
+
+
+def test_a_format_2_manifest_round_trips_its_pack_indexes():
+    record = with_packs()
+    data = manifest.encode(record)
+    assert data[:5] == b"CKPM\x02" and manifest.decode(data) == record
+    assert manifest.encode(record) == data  # canonical
+
+
+def test_a_damaged_format_2_manifest_is_corrupt():
+    data = manifest.encode(with_packs())
+    for damaged in (data[:-1], data[:20] + bytes([data[20] ^ 1]) + data[21:], data + b"x"):
+        with pytest.raises(CorruptError):
+            manifest.decode(damaged)
 
 
 def test_inherited_rows_decode_with_their_source_step():
@@ -56,13 +81,16 @@ def test_arbitrary_bytes_raise_corrupt(data):
 
 
 def test_a_newer_manifest_version_is_refused_as_unsupported():
-    data = manifest.encode(example()).replace(b'"version":1', b'"version":2')
+    data = manifest.encode(example())
+    with pytest.raises(UnsupportedError, match="manifest has format version 3"):
+        manifest.decode(data[:4] + b"\x03" + data[5:])
+    json_v2 = manifest.encode_v1(example()).replace(b'"version":1', b'"version":2')
     with pytest.raises(UnsupportedError, match="manifest has format version 2"):
-        manifest.decode(data)
+        manifest.decode(json_v2)
 
 
 def test_a_manifest_without_a_version_is_corrupt():
-    data = manifest.encode(example()).replace(b'"version":1', b'"version":"one"')
+    data = manifest.encode_v1(example()).replace(b'"version":1', b'"version":"one"')
     with pytest.raises(CorruptError, match="no valid format version"):
         manifest.decode(data)
 
@@ -73,7 +101,7 @@ def test_update_statistics_and_files_are_encoded_only_when_present():
         updates={"embed": (4, None), "layers.0": (4, 0.25)},
         files=[FileRow("config.json", "cd" * 16, 7)],
     )
-    assert manifest.encode(record) == (
+    assert manifest.encode_v1(record) == (
         b'{"blobs":[["' + b"ab" * 16 + b'",40,48]],"created_at":"2026-01-01T00:00:00+00:00",'
         b'"description":{"a":1},"files":[["config.json","' + b"cd" * 16 + b'",7]],'
         b'"layers":[["embed",4],["layers.0",6]],"step":6,'

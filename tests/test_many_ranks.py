@@ -67,6 +67,14 @@ def test_committed_on_two_ranks_loads_on_one(tmp_path):
     for name, (stage, overrides) in RESHARD.items():
         store = ckptstore.open(tmp_path / name)
         assert json.loads(store.catalog.description(3))["world_size"] == 2
+        # One object per rank and layer: at ZeRO-3 every layer is split across both ranks.
+        indexes = store.catalog.layer_packs(3)
+        assert len(indexes) == len(store.sources(3))
+        if stage == 3:
+            assert all(sorted(ref.rank for ref in index.packs) == [0, 1] for index in indexes), name
+        stored = {info.name for info in store.objects.list("packs/")}
+        assert stored == {f"packs/{r.key[:2]}/{r.key}" for index in indexes for r in index.packs}
+        assert not list(store.objects.list("blobs/"))
         store.materialize(3, tmp_path / f"{name}-w1", world_size=1)
         engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=99, num_layers=3, **overrides)
         engine.load_checkpoint(str(tmp_path / f"{name}-w1"))

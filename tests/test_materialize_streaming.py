@@ -53,12 +53,10 @@ def test_materialize_holds_a_few_parameters_at_a_time_not_the_model(tmp_path, mo
     train(engine, batches(2, vocab=256))
     store = ckptstore.open(tmp_path / "store")
     store.commit(engine, step=2)
-    stored = sum(
-        b.raw_size for b in store.catalog.blob_sizes(r.blob for r in store.catalog.tensors(2)).values()
-    )
+    stored = sum(index.raw_size for index in store.catalog.layer_packs(2))
     largest = max(p.numel() for p in engine.module.parameters()) * 4
 
-    tracemalloc.start()  # traces numpy buffers and zstd output: every decoded blob
+    tracemalloc.start()  # traces numpy buffers and zstd output: every decoded tensor
     try:
         store.materialize(2, tmp_path / "out")
         peak = tracemalloc.get_traced_memory()[1]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import ckptstore
-from ckptstore.format import codec
+from ckptstore.format import codec, pack
 from tools.engines import batches, build_engine, train
 
 
@@ -65,14 +65,14 @@ def test_ranks_on_one_machine_split_its_cores_when_they_commit(tmp_path, monkeyp
     assert len(encoding.calls) > 10 and encoding.most == 1
 
 
-def test_the_largest_tensors_are_compressed_first(tmp_path, monkeypatch):
+def test_the_largest_packs_are_compressed_first(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTSTORE_IO_THREADS", "1")  # one thread: the order is the schedule
     store = ckptstore.open(tmp_path / "store")
-    encoding = Concurrency(codec.encode_parts)
-    monkeypatch.setattr(codec, "encode_parts", encoding)
+    encoding = Concurrency(pack.encode_parts)
+    monkeypatch.setattr(pack, "encode_parts", encoding)
     store.commit(committed_engine(), step=1)
-    sizes = [tensor.numel() * tensor.element_size() for tensor, *_ in encoding.calls]
-    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    sizes = [sum(t.numel() * t.element_size() for *_, t in items) for items, *_ in encoding.calls]
+    assert len(sizes) > 3 and sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
 
 
 def test_materialize_decodes_on_one_thread_per_core_largest_parameters_first(tmp_path, monkeypatch):
@@ -95,8 +95,8 @@ def test_materialize_decodes_on_one_thread_per_core_largest_parameters_first(tmp
 def test_local_reads_share_the_cores_and_network_reads_wait_outside_them(
     where, tmp_path, monkeypatch, request
 ):
-    # Reading a local blob copies it out of the page cache, CPU work like decoding; an S3 read
-    # waits on the network, and many may wait at once.
+    # Reading a tensor's range of a local pack copies it out of the page cache, CPU work like
+    # decoding; an S3 read waits on the network, and many may wait at once.
     if where == "s3":
         monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache"))
         store = ckptstore.open(request.getfixturevalue("s3").uri())
@@ -105,8 +105,8 @@ def test_local_reads_share_the_cores_and_network_reads_wait_outside_them(
     store.commit(committed_engine(), step=1)
     monkeypatch.setenv("CKPTSTORE_CPU_THREADS", "1")
     monkeypatch.setenv("CKPTSTORE_IO_THREADS", "4")
-    reading = Concurrency(store.objects.get, pause=0.01)
-    monkeypatch.setattr(store.objects, "get", reading)
+    reading = Concurrency(store.objects.get_range, pause=0.01)
+    monkeypatch.setattr(store.objects, "get_range", reading)
     store.materialize(1, tmp_path / "out")
     assert len(reading.calls) > 10
     assert (reading.most == 1) if where == "local" else (reading.most > 1)

@@ -82,8 +82,10 @@ def test_recommits_and_partial_commits_add_few_bytes(tmp_path):
     train(engine, DATA[2:3])
     partial = store.commit(engine, step=4, layers=["model.layers.2", "model.layers.5"])
     assert full.bytes_added > 0
-    assert unchanged.bytes_added < 0.05 * full.bytes_added
-    assert partial.bytes_added < 0.30 * full.bytes_added
+    layers = len(store.sources(2))
+    assert full.blobs_added == layers  # one pack per layer on one rank (all far under PACK_BYTES)
+    assert (unchanged.blobs_added, unchanged.bytes_added) == (0, 0)  # every pack already stored
+    assert partial.blobs_added == 2 and partial.bytes_added < 0.30 * full.bytes_added
     assert partial.layers_saved == ["model.layers.2", "model.layers.5"]
     log = {row.step: row for row in store.log()}
     assert log[2].bytes_added == full.bytes_added and log[4].layers_saved == 2 and log[4].layers_total == 11
@@ -102,14 +104,15 @@ def small_store(tmp_path_factory):
     return root / "store"
 
 
-def blob_files(store_path):
-    return sorted(p for p in (store_path / "blobs").rglob("*") if p.is_file())
+def pack_files(store_path):
+    return sorted(p for p in (store_path / "packs").rglob("*") if p.is_file())
 
 
-def test_every_flipped_blob_is_named_by_verify_and_stops_materialize(small_store, tmp_path):
+def test_every_flipped_pack_is_named_by_verify_and_stops_materialize(small_store, tmp_path):
     store = ckptstore.open(small_store)
     assert store.verify().ok
-    for path in blob_files(small_store):
+    assert len(pack_files(small_store)) >= 3
+    for path in pack_files(small_store):
         original = path.read_bytes()
         damaged = bytearray(original)
         damaged[len(damaged) // 2] ^= 0xFF
@@ -127,19 +130,25 @@ def test_every_flipped_blob_is_named_by_verify_and_stops_materialize(small_store
     assert store.verify().ok
 
 
-def test_a_deleted_blob_is_reported_against_every_step_that_needs_it(small_store, tmp_path):
+def test_a_deleted_pack_is_reported_against_every_step_that_needs_it(small_store, tmp_path):
     store = ckptstore.open(small_store)
     sources = store.sources(3)
     inherited_layer = next(layer for layer, source in sources.items() if source == 2)
-    rows = store.catalog.tensors(2, [inherited_layer])
-    path = small_store / "blobs" / rows[0].blob[:2] / rows[0].blob
+    (index,) = store.catalog.layer_packs(2, [inherited_layer])
+    key = index.packs[0].key
+    path = small_store / "packs" / key[:2] / key
     original = path.read_bytes()
     path.unlink()
     try:
         report = store.verify(deep=False)
         assert len(report.problems) == 1 and report.problems[0].problem == "is missing"
         assert sorted({u[0] for u in report.problems[0].users}) == [2, 3]
-        with pytest.raises(NotFoundError, match=rows[0].blob):
+        assert (
+            report.problems[0]
+            .describe()
+            .startswith(f"pack {key} ({inherited_layer}: rank 0's tensors) is missing")
+        )
+        with pytest.raises(NotFoundError, match=key):
             store.materialize(3, tmp_path / "out")
     finally:
         path.write_bytes(original)

@@ -88,14 +88,14 @@ def small_engine():
 def test_the_manifest_is_the_commit_point(s3, machine, small_engine, monkeypatch):
     machine("a")
     store = ckptstore.open(s3.uri())
-    # Dies before its manifest: not a step anywhere; its blobs are orphans for gc.
+    # Dies before its manifest: not a step anywhere; its packs are orphans for gc.
     inject_faults(
         store.objects.client, "PutObject", (403, "AccessDenied"), when=lambda r: "/manifests/" in r.url
     )
     with pytest.raises(StorageError):
         store.commit(small_engine, step=2)
     assert store.steps() == [] and manifests(s3) == []
-    assert s3.keys("run/blobs/")
+    assert s3.keys("run/packs/")
     # Dies after its manifest, before the local index has it: committed, seen on every open.
     store = ckptstore.open(s3.uri())
 
@@ -220,4 +220,4 @@ def test_manifests_are_written_in_one_request_even_past_the_multipart_threshold(
     ckptstore.open(s3.uri()).commit(small_engine, step=1)
     etag = {key: s3.client.head_object(Bucket=s3.bucket, Key=key)["ETag"] for key in s3.keys("run/")}
     assert "-" not in etag["run/" + manifest_name(1)]
-    assert all("-" in tag for key, tag in etag.items() if key.startswith("run/blobs/"))
+    assert all("-" in tag for key, tag in etag.items() if key.startswith("run/packs/"))

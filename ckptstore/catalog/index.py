@@ -15,8 +15,19 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..errors import ConflictError, NotFoundError
+from ..format import layerpacks
 from ..layers import layer_of
-from ..model import BlobRow, FileRow, LayerRow, StepRecord, StepRow, TensorRow, group_by_source
+from ..model import (
+    BlobRow,
+    FileRow,
+    LayerPacks,
+    LayerRow,
+    PackRef,
+    StepRecord,
+    StepRow,
+    TensorRow,
+    group_by_source,
+)  # fmt: skip
 from . import database
 
 
@@ -123,6 +134,46 @@ class Catalog:
         wanted = None if layers is None else set(layers)
         return [TensorRow(*row) for row in rows if wanted is None or row[1] in wanted]
 
+    def layer_packs(self, step: int, layers: Iterable[str] | None = None) -> list[LayerPacks]:
+        """The pack indexes of layers that ``step`` itself saved in format 2 (optionally only
+        ``layers``), in no particular order."""
+        rows = self.db.execute("SELECT layer, packs FROM layer_packs WHERE step = ?", [step]).fetchall()
+        wanted = None if layers is None else set(layers)
+        return [
+            layerpacks.decode(data, step, layer) for layer, data in rows if wanted is None or layer in wanted
+        ]
+
+    def _used_layer_packs(self, steps: Iterable[int] | None) -> Iterable[tuple[int, LayerPacks]]:
+        """(using step, pack index) for every format-2 layer the given steps (all: None) use."""
+        self.load(None if steps is None else list(steps))
+        sql = """
+            SELECT l.step, p.step, p.layer, p.packs
+            FROM layers l JOIN layer_packs p ON p.step = l.source_step AND p.layer = l.layer
+        """
+        params = []
+        if steps is not None:
+            sql += " WHERE l.step IN (SELECT value FROM json_each(?))"
+            params.append(json.dumps(list(steps)))
+        decoded: dict[tuple[int, str], LayerPacks] = {}
+        for step, source, layer, data in self.db.execute(sql + " ORDER BY l.step", params):
+            if (source, layer) not in decoded:
+                decoded[(source, layer)] = layerpacks.decode(data, source, layer)
+            yield step, decoded[(source, layer)]
+
+    def packs_of_steps(self, steps: Iterable[int]) -> set[str]:
+        """Every pack the given steps need, inherited layers included."""
+        return {ref.key for _, index in self._used_layer_packs(list(steps)) for ref in index.packs}
+
+    def referenced_packs(self) -> dict[str, tuple[PackRef, list[tuple[int, str, str, str]]]]:
+        """Every pack a committed step uses -> (its record, every (step, layer, name, kind) user),
+        where ``name`` says whose pack it is and ``kind`` is ``pack``."""
+        users: dict[str, tuple[PackRef, list[tuple[int, str, str, str]]]] = {}
+        for step, index in self._used_layer_packs(None):
+            for ref in index.packs:
+                entry = users.setdefault(ref.key, (ref, []))
+                entry[1].append((step, index.layer, f"rank {ref.rank}'s tensors", "pack"))
+        return users
+
     def blob_sizes(self, keys: Iterable[str]) -> dict[str, BlobRow]:
         """Recorded sizes of the given blobs (unknown keys are left out)."""
         found = {}
@@ -180,6 +231,7 @@ class Catalog:
         sql = """
             SELECT l.step, l.layer, l.source_step FROM layers l
             WHERE NOT EXISTS (SELECT 1 FROM tensors t WHERE t.step = l.source_step AND t.layer = l.layer)
+              AND NOT EXISTS (SELECT 1 FROM layer_packs p WHERE p.step = l.source_step AND p.layer = l.layer)
             ORDER BY l.step, l.position
         """
         return [
@@ -211,8 +263,12 @@ class Catalog:
             LEFT JOIN blobs b ON b.key = d.blob
             GROUP BY d.step, d.layer
         """
-        sources = sorted({source for _, source, _, _ in layers})
-        found = self.db.execute(sizes_sql, [json.dumps(sources)])
+        sources = json.dumps(sorted({source for _, source, _, _ in layers}))
+        found = self.db.execute(sizes_sql, [sources]).fetchall()
+        found += self.db.execute(
+            "SELECT step, layer, size, raw_size FROM layer_packs WHERE step IN (SELECT value FROM json_each(?))",
+            [sources],
+        ).fetchall()
         sizes = {(s, layer): (size, raw) for s, layer, size, raw in found}
         return [
             LayerRow(layer, source, *sizes.get((source, layer), (0, 0)), update, since)
@@ -244,7 +300,8 @@ class Catalog:
 
         Tensor rows of inherited layers belong to their source step and are added only where
         the catalog lacks them (their step was dropped, or is not imported yet); rows of the
-        step's own layers that an inheritor's import already added are left as they are. What
+        step's own layers that an inheritor's import already added are left as they are. The
+        same holds for the pack indexes of format-2 layers (``record.packs``). What
         the step added is ``record.added``, or, for records without it, the record's blobs
         this catalog did not know yet. ``samples``: parameter name -> update-statistics sample (commit.stats), kept
         only on the committing machine. Returns True; an existing step raises ConflictError,
@@ -264,6 +321,12 @@ class Catalog:
                     else {r.layer for r in self.tensors(source, {r.layer for r in source_rows})}
                 )
                 rows.extend(row for row in source_rows if row.layer not in present)
+            present_packs = {
+                (source, layer)
+                for source in {index.step for index in record.packs.values()}
+                for (layer,) in self.db.execute("SELECT layer FROM layer_packs WHERE step = ?", [source])
+            }
+            new_packs = [i for i in record.packs.values() if (i.step, i.layer) not in present_packs]
             if record.added is not None:
                 blobs_added, bytes_added = record.added
             else:
@@ -301,6 +364,11 @@ class Catalog:
                 ),
                 ignore=True,
             )
+            self.db["layer_packs"].insert_all(
+                {"step": i.step, "layer": i.layer, "size": i.size, "raw_size": i.raw_size,
+                 "packs": layerpacks.encode(i)}
+                for i in new_packs
+            )  # fmt: skip
             self.db["samples"].insert_all(
                 {"step": step, "layer": layer_of(name), "name": name, "sample": sample}
                 for name, sample in (samples or {}).items()
@@ -317,7 +385,7 @@ class Catalog:
             self.db.execute("DELETE FROM steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
             self.db.execute("DELETE FROM layers WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
             # Tensor rows and the samples describing them stay while a kept step inherits the layer.
-            for table in ("tensors", "samples"):
+            for table in ("tensors", "layer_packs", "samples"):
                 self.db.execute(
                     f"""
                     DELETE FROM {table}

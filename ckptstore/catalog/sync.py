@@ -170,13 +170,14 @@ def rebuild(path: Path, objects: ObjectStore) -> SyncReport:
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = path.with_name(f"{path.name}.rebuild-{uuid.uuid4().hex[:8]}{knobs.tmp_suffix()}")
     report = SyncReport()
-    stored = layout.list_blobs(objects).found
+    stored = {**layout.list_blobs(objects).found, **layout.list_packs(objects).found}
     catalog = Catalog(fresh)
     try:
         for record in _fetch_all(objects, layout.list_manifests(objects).found, report):
             # A local commit that died between its manifest and its catalog row left a
             # manifest whose blobs a later gc may have swept: such a step is not restored.
-            if any(b.key not in stored for b in record.blobs):
+            needed = [b.key for b in record.blobs] + [p.key for i in record.packs.values() for p in i.packs]
+            if any(key not in stored for key in needed):
                 report.incomplete.append(record.step)
             elif import_record(catalog, record):
                 report.imported.append(record.step)

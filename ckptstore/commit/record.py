@@ -1,6 +1,6 @@
 """The commit point: a step's record built once, then published as manifest and catalog rows.
 
-Write order: every blob first (``commit.blobs``), then the manifest, then the catalog rows.
+Write order: every pack first (``commit.packs``), then the manifest, then the catalog rows.
 On a local store the catalog transaction is the commit point; a manifest left by a commit
 that died before it is not a step, and the next commit of that step replaces it. On an S3
 store the manifest, written create-only in one request, is the commit point, and the
@@ -16,7 +16,7 @@ from ..catalog import Catalog
 from ..errors import ConflictError
 from ..format import manifest
 from ..format.layout import manifest_name
-from ..model import BlobRow, FileRow, StepRecord, TensorRow, Updates, layers_by_source
+from ..model import FileRow, LayerPacks, StepRecord, Updates, layers_by_source
 from ..objects import ObjectStore
 
 
@@ -26,30 +26,31 @@ def build_record(
     world_size: int,
     description: dict,
     layer_sources: dict[str, int],
-    rows: list[TensorRow],
-    blobs: list[BlobRow],
+    packs: dict[str, LayerPacks],
     updates: Updates,
     files: list[FileRow],
     created: dict[str, int],
 ) -> StepRecord:
-    """The step's record: its own ``rows`` and ``blobs`` plus, from the catalog, the rows and
-    blob sizes of every layer it inherits, so that the record stands alone. ``created``: the
-    blobs this commit added to the store (key -> stored size)."""
-    inherited = [
-        row
-        for source, layers in layers_by_source(layer_sources).items()
-        if source != step
-        for row in catalog.tensors(source, layers)
-    ]
-    all_blobs = {**catalog.blob_sizes(row.blob for row in inherited), **{blob.key: blob for blob in blobs}}
+    """The step's record: the pack indexes of the layers it saved (``packs``) plus, from the
+    catalog, what every layer it inherits is stored as (pack indexes, or tensor rows and blob
+    sizes where a format-1 step saved it), so that the record stands alone. ``created``: the
+    packs this commit added to the store (key -> stored size)."""
+    packs = dict(packs)
+    inherited = []
+    for source, layers in layers_by_source(layer_sources).items():
+        if source == step:
+            continue
+        packs.update((index.layer, index) for index in catalog.layer_packs(source, layers))
+        inherited += catalog.tensors(source, [layer for layer in layers if layer not in packs])
     return StepRecord(
         step=step,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         world_size=world_size,
         description=json.dumps(description, sort_keys=True, separators=(",", ":")),
         layer_sources=layer_sources,
-        tensors=rows + inherited,
-        blobs=list(all_blobs.values()),
+        tensors=inherited,
+        blobs=list(catalog.blob_sizes(row.blob for row in inherited).values()),
+        packs={layer: packs[layer] for layer in layer_sources if layer in packs},
         updates=updates,
         files=files,
         added=(len(created), sum(created.values())),

@@ -17,12 +17,13 @@ from typing import Any
 
 from .. import auxfiles, strategies
 from ..catalog import Catalog, sync
+from ..format import config, layerpacks
 from ..layers import layer_of
-from ..model import BlobRow, FileRow, Snapshot, TensorRow
+from ..model import FileRow, LayerPacks, Snapshot
 from ..objects import ObjectStore
 from . import ranks, stats
 from .background import CommitHandle, CommitQueue
-from .blobs import store_pieces
+from .packs import StoredPacks, store_pieces
 from .plan import CommitPlan, check_new_step, plan_commit
 from .record import build_record, publish
 
@@ -47,9 +48,7 @@ class _RankShare:
 
     description: dict | None
     world_size: int
-    rows: list[TensorRow]
-    blobs: list[BlobRow]
-    created: dict[str, int]
+    stored: StoredPacks
 
 
 class _RankCommit:
@@ -69,6 +68,8 @@ class _RankCommit:
     ) -> stats.RankSamples:
         """Phase 1: check the step, take this rank's snapshot and its share of the samples."""
         check_new_step(self.catalog, self.step)
+        if self.rank_zero:
+            config.upgrade(self.objects)
         self.file_entries = auxfiles.collect(files) if self.rank_zero and files is not None else None
         self.snapshot = take_snapshot()
         return stats.own_samples(self.snapshot.pieces, self.snapshot.description["params"])
@@ -81,14 +82,11 @@ class _RankCommit:
         self.plan = plan = plan_commit(self.catalog, self.step, description, samples, selection)
         saved = set(plan.saved)
         pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
-        stored = store_pieces(self.objects, self.step, pieces, background=self.background)
+        stored = store_pieces(self.objects, snapshot.rank, pieces, background=self.background)
         if self.rank_zero:
             self.samples = {name: s for name, s in samples.items() if layer_of(name) in saved}
             self.files = self._store_files()
-        return _RankShare(
-            description if snapshot.rank == 0 else None, snapshot.world_size,
-            stored.rows, list(stored.blobs.values()), stored.created,
-        )  # fmt: skip
+        return _RankShare(description if snapshot.rank == 0 else None, snapshot.world_size, stored)
 
     def _store_files(self) -> list[FileRow]:
         """The step's auxiliary files, stored; without any given, the previous step's."""
@@ -121,15 +119,13 @@ def commit_step(
     with objects.lock(exclusive=False):
         sampled = ranks.on_every_rank(what, lambda: own.sample(take_snapshot, files))
         shares = ranks.on_every_rank(what, lambda: own.store(sampled, layers))
-        rows = [row for share in shares for row in share.rows]
-        blobs = list({blob.key: blob for share in shares for blob in share.blobs}.values())
-        created = {key: size for share in shares for key, size in share.created.items()}
+        created = {key: size for share in shares for key, size in share.stored.created.items()}
         plan = own.plan
 
         def record() -> None:
             step_record = build_record(
                 catalog, step, shares[0].world_size, shares[0].description, plan.layer_sources,
-                rows, blobs, plan.updates, own.files, created,
+                _layer_indexes(step, plan.saved, shares), plan.updates, own.files, created,
             )  # fmt: skip
             publish(objects, catalog, step_record, manifest_commits=manifest_commits, samples=own.samples)
 
@@ -141,11 +137,21 @@ def commit_step(
         step=step,
         layers_saved=plan.saved,
         layers_inherited={layer: s for layer, s in plan.layer_sources.items() if s != step},
-        tensors=len(rows),
+        tensors=sum(share.stored.tensors for share in shares),
         blobs_added=len(created),
         bytes_added=sum(created.values()),
         updates={layer: update for layer, (_, update) in plan.updates.items()},
     )
+
+
+def _layer_indexes(step: int, saved: list[str], shares: list[_RankShare]) -> dict[str, LayerPacks]:
+    """The fragment index of every saved layer, from every rank's packs in rank order."""
+    return {
+        layer: layerpacks.build(
+            step, layer, [p for share in shares for p in share.stored.layers.get(layer, [])]
+        )
+        for layer in saved
+    }
 
 
 def submit_commit(

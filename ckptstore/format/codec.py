@@ -266,3 +266,19 @@ def decode(blob: bytes | memoryview, key: str | None = None) -> torch.Tensor:
     if key is not None and tensor_key(tensor) != key:
         raise CorruptError(f"blob content does not hash to its key {key}")
     return tensor
+
+
+def decompress_frame(data: bytes, max_size: int) -> bytes:
+    """The content of ``data``, which must be exactly one whole zstd frame (its checksum checked
+    when it has one) of at most ``max_size`` declared bytes; CorruptError otherwise."""
+    try:
+        declared = zstandard.frame_content_size(data)
+        if declared < 0 or declared > max_size:
+            raise CorruptError(f"a compressed frame declares {declared} bytes")
+        stream = _decompressor().decompressobj()
+        content = stream.decompress(data)
+    except zstandard.ZstdError as exc:
+        raise CorruptError(f"a compressed frame is damaged ({exc})") from None
+    if not stream.eof or stream.unused_data or len(content) != declared:
+        raise CorruptError("a compressed frame is truncated or followed by other bytes")
+    return content

@@ -15,7 +15,8 @@ from ..errors import CorruptError, NotFoundError, UnsupportedError
 from ..objects import ObjectStore
 from .layout import CONFIG
 
-STORE_FORMAT_VERSION = 1
+# 1: a blob per stored tensor. 2: a pack per rank and layer (``format.pack``), CKPM manifests.
+STORE_FORMAT_VERSION = 2
 
 
 def check_version(what: str, version: Any, supported: int) -> int:
@@ -47,3 +48,17 @@ def ensure_config(objects: ObjectStore) -> dict:
         raise CorruptError(f"{objects.uri}/{CONFIG} is not a JSON object")
     check_version(f"the store {objects.uri}", config.get("format_version"), STORE_FORMAT_VERSION)
     return config
+
+
+def upgrade(objects: ObjectStore) -> None:
+    """Mark a store of an older format as written in the current one, before a commit adds
+    objects of the current format, so that an older ckptstore refuses the store as a whole
+    rather than misreading the new step. Steps of the older format stay readable."""
+    config = ensure_config(objects)
+    if config.get("format_version", STORE_FORMAT_VERSION) >= STORE_FORMAT_VERSION:
+        return
+    # Not atomic, and needs not be: a store without a config gets the current one when opened.
+    objects.delete(CONFIG)
+    objects.put_if_absent(
+        CONFIG, json.dumps({**config, "format_version": STORE_FORMAT_VERSION}, sort_keys=True).encode()
+    )

@@ -3,9 +3,11 @@
 A store holds::
 
     config.json                    the store config (format version, hash, codec)
-    blobs/<ab>/<key>               one tensor each, named by its content key (32 hex digits)
+    blobs/<ab>/<key>               format 1: one tensor each, named by its content key (32 hex digits)
+    packs/<ab>/<key>               format 2: one rank's tensors of one layer each (``format.pack``)
     files/<ab>/<key>               one auxiliary file each (config.json, tokenizer files...)
-    manifests/<step, 12 digits>.json   one per committed step: its StepRecord
+    manifests/<step, 12 digits>.json   one per committed step: its StepRecord (``format.manifest``;
+                                   JSON text in format 1, a CKPM binary in format 2)
 
 Names are built and parsed here only, and a name is valid only if building it again from what
 was parsed gives the same name. Anything else under a known prefix is *stray*: listings
@@ -24,6 +26,7 @@ from ..objects import ObjectInfo, ObjectStore
 
 CONFIG = "config.json"
 BLOBS = "blobs/"
+PACKS = "packs/"
 FILES = "files/"
 MANIFESTS = "manifests/"
 
@@ -40,6 +43,11 @@ def _keyed(prefix: str, key: str) -> str:
 def blob_name(key: str) -> str:
     """Object name of the blob with content key ``key``."""
     return _keyed(BLOBS, key)
+
+
+def pack_name(key: str) -> str:
+    """Object name of the pack with key ``key``."""
+    return _keyed(PACKS, key)
 
 
 def file_name(key: str) -> str:
@@ -60,6 +68,11 @@ def _parse_keyed(prefix: str, name: str) -> str | None:
 def parse_blob_name(name: str) -> str | None:
     """The content key a valid blob name holds; None for anything else."""
     return _parse_keyed(BLOBS, name)
+
+
+def parse_pack_name(name: str) -> str | None:
+    """The key a valid pack name holds; None for anything else."""
+    return _parse_keyed(PACKS, name)
 
 
 def parse_file_name(name: str) -> str | None:
@@ -107,6 +120,11 @@ def _listing(objects: ObjectStore, prefix: str, parse: Callable[[str], T | None]
 def list_blobs(objects: ObjectStore) -> Listing[str]:
     """Every stored blob by content key, and the stray names under ``blobs/``."""
     return _listing(objects, BLOBS, parse_blob_name)
+
+
+def list_packs(objects: ObjectStore) -> Listing[str]:
+    """Every stored pack by key, and the stray names under ``packs/``."""
+    return _listing(objects, PACKS, parse_pack_name)
 
 
 def list_files(objects: ObjectStore) -> Listing[str]:

@@ -1,27 +1,39 @@
-"""Manifests: a step's ``StepRecord`` as canonical JSON, one object per step in the store.
+"""Manifests: a step's ``StepRecord``, one object per step in the store.
 
-A manifest is written after every blob the step references and before (local stores) or as
+A manifest is written after every object the step references and before (local stores) or as
 (S3 stores) the step's commit point. It is self-contained (see ``StepRecord``), so manifests
 alone rebuild the catalog on another machine. The same record always encodes to the same
-bytes (sorted keys, no whitespace), which the golden tests pin.
+bytes, which the golden tests pin.
+
+Format 1 (JSON text, ``{"version": 1, ...}``) names every stored tensor; ckptstore reads it.
+Format 2, which ckptstore writes, is ``b"CKPM" u8 2`` then one zstd frame (with its checksum)
+of ``u32 len(body) body`` and the pack indexes (``format.layerpacks``) back to back: ``body``
+is format 1's JSON without ``version``, plus ``"packs": [[layer, source, length], ...]``; its
+``tensors`` and ``blobs`` are only those of layers inherited from format-1 steps.
 """
 
 from __future__ import annotations
 
 import json
+import struct
+
+import zstandard
 
 from ..errors import CorruptError
 from ..model import BlobRow, FileRow, StepRecord, TensorRow
+from . import codec, layerpacks
 from .config import check_version
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+MAGIC = b"CKPM"
+_LENGTH = struct.Struct("<I")
+_MAX_BYTES = 1 << 32  # what no manifest ckptstore writes decompresses to
 
 
-def encode(record: StepRecord) -> bytes:
-    """Canonical bytes of ``record``. Update statistics, files and the counts of what the commit
-    added are encoded only when present (readers of older manifests ignore keys they lack)."""
+def _body(record: StepRecord) -> dict:
+    """The JSON fields both formats share. Update statistics, files and the counts of what the
+    commit added are encoded only when present (readers of older manifests ignore keys they lack)."""
     body = {
-        "version": MANIFEST_VERSION,
         "step": record.step,
         "created_at": record.created_at,
         "world_size": record.world_size,
@@ -37,41 +49,93 @@ def encode(record: StepRecord) -> bytes:
         body["files"] = sorted([f.path, f.key, f.size] for f in record.files)
     if record.added is not None:
         body["added"] = list(record.added)
+    return body
+
+
+def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+def encode_v1(record: StepRecord) -> bytes:
+    """Format-1 bytes of a record without packs (what older ckptstores wrote; for tests and tools)."""
+    if record.packs:
+        raise ValueError("format 1 cannot hold pack indexes")
+    return _canonical({"version": 1, **_body(record)})
+
+
+def encode(record: StepRecord) -> bytes:
+    """Canonical format-2 bytes of ``record``."""
+    indexes = [(layer, packs.step, layerpacks.encode(packs)) for layer, packs in record.packs.items()]
+    body = _canonical(
+        {**_body(record), "packs": [[layer, source, len(data)] for layer, source, data in indexes]}
+    )
+    payload = b"".join([_LENGTH.pack(len(body)), body, *(data for _, _, data in indexes)])
+    compressor = zstandard.ZstdCompressor(level=9, write_checksum=True)
+    return MAGIC + bytes([MANIFEST_VERSION]) + compressor.compress(payload)
+
+
 def decode(data: bytes) -> StepRecord:
-    """The record in manifest bytes. Each tensor row gets its layer's source step.
+    """The record in manifest bytes of either format. Each tensor row gets its layer's source step.
 
     Raises UnsupportedError for a manifest a newer ckptstore wrote, CorruptError for anything
     malformed.
     """
     try:
-        body = json.loads(data)
-        if not isinstance(body, dict):
-            raise CorruptError("malformed manifest: not a JSON object")
-        check_version("manifest", body.get("version"), MANIFEST_VERSION)
-        step = int(body["step"])
-        sources = {str(layer): int(source) for layer, source in body["layers"]}
-        return StepRecord(
-            step=step,
-            created_at=str(body["created_at"]),
-            world_size=int(body["world_size"]),
-            description=json.dumps(body["description"], sort_keys=True, separators=(",", ":")),
-            layer_sources=sources,
-            tensors=[
-                TensorRow(sources.get(str(a), step), str(a), str(b), str(c), int(d), int(e), str(f))
-                for a, b, c, d, e, f in body["tensors"]
-            ],  # fmt: skip
-            blobs=[BlobRow(str(k), int(s), int(r)) for k, s, r in body["blobs"]],
-            updates={
-                str(layer): (int(since), None if size is None else float(size))
-                for layer, since, size in body.get("updates", [])
-            },
-            files=[FileRow(str(p), str(k), int(n)) for p, k, n in body.get("files", [])],
-            added=None if "added" not in body else (int(body["added"][0]), int(body["added"][1])),
-        )
+        if bytes(data[:4]) == MAGIC:
+            body, indexes = _unwrap(data)
+        else:
+            body, indexes = json.loads(data), b""
+            if not isinstance(body, dict):
+                raise CorruptError("malformed manifest: not a JSON object")
+            check_version("manifest", body.get("version"), 1)
+        return _record(body, indexes)
     except CorruptError:
         raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error, zstandard.ZstdError) as exc:
         raise CorruptError(f"malformed manifest: {exc!r}") from None
+
+
+def _unwrap(data: bytes) -> tuple[dict, bytes]:
+    """Format 2's JSON body and the pack indexes after it."""
+    if len(data) < 5:
+        raise CorruptError("malformed manifest: truncated")
+    check_version("manifest", data[4], MANIFEST_VERSION)
+    payload = codec.decompress_frame(bytes(data[5:]), _MAX_BYTES)
+    (length,) = _LENGTH.unpack_from(payload)
+    body = json.loads(payload[_LENGTH.size : _LENGTH.size + length])
+    if not isinstance(body, dict):
+        raise CorruptError("malformed manifest: not a JSON object")
+    return body, payload[_LENGTH.size + length :]
+
+
+def _record(body: dict, indexes: bytes) -> StepRecord:
+    step = int(body["step"])
+    sources = {str(layer): int(source) for layer, source in body["layers"]}
+    packs, position = {}, 0
+    for layer, source, length in body.get("packs", []):
+        chunk = indexes[position : position + int(length)]
+        if len(chunk) != int(length):
+            raise CorruptError("malformed manifest: truncated pack index")
+        packs[str(layer)] = layerpacks.decode(chunk, int(source), str(layer))
+        position += int(length)
+    if position != len(indexes):
+        raise CorruptError("malformed manifest: bytes past its last pack index")
+    return StepRecord(
+        step=step,
+        created_at=str(body["created_at"]),
+        world_size=int(body["world_size"]),
+        description=json.dumps(body["description"], sort_keys=True, separators=(",", ":")),
+        layer_sources=sources,
+        tensors=[
+            TensorRow(sources.get(str(a), step), str(a), str(b), str(c), int(d), int(e), str(f))
+            for a, b, c, d, e, f in body["tensors"]
+        ],  # fmt: skip
+        blobs=[BlobRow(str(k), int(s), int(r)) for k, s, r in body["blobs"]],
+        updates={
+            str(layer): (int(since), None if size is None else float(size))
+            for layer, since, size in body.get("updates", [])
+        },
+        files=[FileRow(str(p), str(k), int(n)) for p, k, n in body.get("files", [])],
+        added=None if "added" not in body else (int(body["added"][0]), int(body["added"][1])),
+        packs=packs,
+    )

@@ -9,11 +9,14 @@ a step has ranks x layers objects. Layout (integers little-endian)::
 The index is canonical JSON: ``[[name, kind, start, key, offset, length], ...]`` in entry order,
 where ``key`` is the entry tensor's content key (``codec.tensor_key``) and ``offset``/``length``
 place its blob (a ``codec`` blob, self-describing) in the pack, counted from the pack's first
-byte. The pack's key is the xxh3-128 of the index: the index names every tensor by content,
-so equal contents make equal packs, and an unchanged layer is stored once.
+byte. The pack's key is the xxh3-128 of its *contents*, ``[[name, kind, start, key], ...]``:
+equal contents make equal packs whatever the codec made of them, so a commit knows a pack's
+key, and whether the store has it, before compressing anything, and an unchanged layer is
+stored once.
 
 Reading one entry needs the first 9 bytes, the index, and that entry's range; every entry read
-re-hashes its tensor, and ``parse_index`` checks the index against the pack key.
+re-hashes its tensor, ``parse_index`` checks the index against the pack key, and the entries
+must lie end to end from the index on.
 """
 
 from __future__ import annotations
@@ -49,17 +52,24 @@ class Entry:
     length: int
 
 
-def pack_key(index: bytes) -> str:
-    """The content key of a pack: 32 hex digits of xxh3-128 over its index."""
-    return xxhash.xxh3_128(index).hexdigest()
+def pack_key(contents: list[tuple[str, str, int, str]]) -> str:
+    """The key of a pack holding ``(name, kind, start, content key)`` entries in this order:
+    32 hex digits of xxh3-128 over their canonical JSON."""
+    return xxhash.xxh3_128(
+        json.dumps([list(c) for c in contents], separators=(",", ":")).encode()
+    ).hexdigest()
 
 
-def encode_parts(tensors: list[tuple[str, str, int, torch.Tensor]]) -> tuple[str, list, list[Entry]]:
+def encode_parts(
+    tensors: list[tuple[str, str, int, torch.Tensor]], keys: list[str] | None = None
+) -> tuple[str, list, list[Entry]]:
     """Encode ``(name, kind, start, tensor)`` items as one pack: ``(key, buffers, entries)``.
 
     The pack is the buffers laid end to end (written without joining them, as blobs are).
+    ``keys``: the tensors' content keys when the caller has them (not hashed again).
     """
-    blobs = [codec.encode_parts(tensor) for _, _, _, tensor in tensors]
+    keys = keys or [None] * len(tensors)
+    blobs = [codec.encode_parts(tensor, key) for (_, _, _, tensor), key in zip(tensors, keys, strict=True)]
     sizes = [sum(memoryview(part).nbytes for part in parts) for _, parts in blobs]
     # The offsets depend on the index's length, which depends on the offsets' digits: settle it.
     length = 0
@@ -69,17 +79,18 @@ def encode_parts(tensors: list[tuple[str, str, int, torch.Tensor]]) -> tuple[str
         for (name, kind, start, _), (key, _), size in zip(tensors, blobs, sizes, strict=True):
             entries.append(Entry(name, kind, start, key, offset, size))
             offset += size
-        index = _index_bytes(entries)
+        index = index_bytes(entries)
         if len(index) == length:
             break
         length = len(index)
     parts = [PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(index)), index]
     for _, blob_parts in blobs:
         parts.extend(blob_parts)
-    return pack_key(index), parts, entries
+    return pack_key([(e.name, e.kind, e.start, e.key) for e in entries]), parts, entries
 
 
-def _index_bytes(entries: list[Entry]) -> bytes:
+def index_bytes(entries: list[Entry]) -> bytes:
+    """The canonical index of ``entries`` (what follows a pack's preamble)."""
     rows = [[e.name, e.kind, e.start, e.key, e.offset, e.length] for e in entries]
     return json.dumps(rows, separators=(",", ":")).encode()
 
@@ -107,8 +118,6 @@ def parse_index(head: bytes | memoryview, key: str | None = None) -> list[Entry]
     index = bytes(memoryview(head)[PREAMBLE.size : PREAMBLE.size + length])
     if len(index) != length:
         raise CorruptError("truncated pack index")
-    if key is not None and pack_key(index) != key:
-        raise CorruptError(f"pack index does not hash to {key}")
     try:
         entries = [
             Entry(str(name), str(kind), int(start), str(tensor), int(offset), int(size))
@@ -116,6 +125,8 @@ def parse_index(head: bytes | memoryview, key: str | None = None) -> list[Entry]
         ]
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptError(f"malformed pack index: {exc!r}") from None
+    if key is not None and pack_key([(e.name, e.kind, e.start, e.key) for e in entries]) != key:
+        raise CorruptError(f"pack index does not hash to {key}")
     position = PREAMBLE.size + length
     for entry in entries:
         if entry.offset != position or entry.length < 0:

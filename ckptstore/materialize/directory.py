@@ -79,16 +79,24 @@ def step_reader(
 ) -> StepReader:
     """A lazy reader of every tensor ``step`` needs (or the layers ``sources`` maps to steps)."""
     sources = catalog.sources(step) if sources is None else sources
-    rows = [
-        row for source, layers in layers_by_source(sources).items() for row in catalog.tensors(source, layers)
+    packs = [
+        index
+        for source, layers in layers_by_source(sources).items()
+        for index in catalog.layer_packs(source, layers)
     ]
-    missing_layers = set(sources) - {row.layer for row in rows}
+    packed = {index.layer for index in packs}
+    rows = [
+        row
+        for source, layers in layers_by_source(sources).items()
+        for row in catalog.tensors(source, [layer for layer in layers if layer not in packed])
+    ]
+    missing_layers = set(sources) - packed - {row.layer for row in rows}
     if missing_layers:
         raise CorruptError(
             f"the catalog has no tensors for layers {', '.join(sorted(missing_layers))} of step {step}"
         )
     sizes = catalog.blob_sizes(row.blob for row in rows)
-    return StepReader(objects, description["params"], rows, sizes, step)
+    return StepReader(objects, description["params"], rows, sizes, step, packs)
 
 
 def swap_into_place(staging: Path, out: Path) -> None:

@@ -2,26 +2,38 @@
 
 Materializing streams: the writer asks for one parameter's tensors at a time, from several
 threads, and drops them once written, so memory holds a few parameters, never the model.
-A blob that several tensors share (identical layer norms, say) is fetched and verified once
-and kept only until its last user has it.
+A layer stored in packs (format 2) is read entry by entry: each pack's index is fetched once
+(its first bytes) and kept until the last of its entries is read, and each tensor is one
+ranged read of its own bytes. A format-1 blob that several tensors share (identical layer
+norms, say) is fetched and verified once and kept only until its last user has it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from functools import partial
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from .. import knobs
 from ..errors import CorruptError, NotFoundError, UnsupportedError
-from ..format import codec
-from ..format.layout import blob_name
-from ..model import FP32, BlobRow, TensorRow
+from ..format import codec, pack
+from ..format.layout import blob_name, pack_name
+from ..model import FP32, NUMEL, PACK, START, BlobRow, LayerPacks, PackRef, TensorRow
 from ..objects import ObjectStore
+
+T = TypeVar("T")
+
+# The first read of a pack asks for this much, which holds the index of any pack of a few
+# hundred tensors; a longer index takes a second read.
+_HEAD_GUESS = 64 * 1024
 
 
 def fetch_blob(objects: ObjectStore, key: str, cpu: threading.Semaphore) -> torch.Tensor:
@@ -37,6 +49,25 @@ def fetch_blob(objects: ObjectStore, key: str, cpu: threading.Semaphore) -> torc
     data = objects.get(blob_name(key))
     with cpu:
         return codec.decode(data, key)
+
+
+def fetch_pack(
+    objects: ObjectStore, key: str, cpu: threading.Semaphore
+) -> list[tuple[pack.Entry, torch.Tensor]]:
+    """Every entry of the pack ``key`` with its tensor, all verified (``fetch_blob``'s rules)."""
+    data = objects.get(pack_name(key))
+    with cpu:
+        return pack.decode(data, key)
+
+
+def fetch_pack_index(objects: ObjectStore, ref: PackRef) -> dict[tuple[str, str, int], pack.Entry]:
+    """The entries of pack ``ref`` by (name, kind, start), from its first bytes, verified against its key."""
+    name = pack_name(ref.key)
+    head = objects.get_range(name, 0, min(ref.size, _HEAD_GUESS))
+    needed = pack.PREAMBLE.size + pack.index_length(head)
+    if needed > len(head):
+        head = objects.get_range(name, 0, needed)
+    return {(e.name, e.kind, e.start): e for e in pack.parse_index(head, ref.key)}
 
 
 class _SharedBlobs:
@@ -70,11 +101,11 @@ class _SharedBlobs:
 class StepReader:
     """The tensors of one step (or compose plan), read lazily: a ``TensorSource`` for the writer.
 
-    ``rows`` are the catalog's tensor rows of every layer the step needs, ``sizes`` the
-    recorded sizes of their blobs. Each stored tensor is expected to be read once (``__call__``
-    or ``fragments``); a second read fetches its blobs again. Reads raise NotFoundError (blob
-    missing) or CorruptError (blob fails verification), naming the blob, the tensor and the
-    step it was saved at.
+    ``packs`` are the pack indexes of every format-2 layer the step needs; ``rows`` the
+    catalog's tensor rows of its format-1 layers, ``sizes`` the recorded sizes of their blobs.
+    Each stored tensor is expected to be read once (``__call__`` or ``fragments``); a second
+    read fetches it again. Reads raise NotFoundError (pack or blob missing) or CorruptError
+    (it fails verification), naming the object, the tensor and the step it was saved at.
     """
 
     def __init__(
@@ -84,6 +115,7 @@ class StepReader:
         rows: Iterable[TensorRow],
         sizes: dict[str, BlobRow],
         step: int,
+        packs: Iterable[LayerPacks] = (),
     ) -> None:
         self.params = params
         self.step = step
@@ -96,24 +128,79 @@ class StepReader:
             self._where.setdefault(row.blob, row)
         uses = Counter(row.blob for parts in self.rows.values() for row in parts)
         self._blobs = _SharedBlobs(self._fetch, uses)
+        # (name, kind) -> (dtype, fragment rows, the layer's index) of format-2 layers
+        self._packed: dict[tuple[str, str], tuple[str, np.ndarray, LayerPacks]] = {}
+        pack_uses: Counter[str] = Counter()
+        self._pack_layer: dict[str, LayerPacks] = {}
+        self._refs: dict[str, PackRef] = {}
+        for index in packs:
+            for tensor, (dtype, fragments) in index.by_tensor().items():
+                self._packed[tensor] = (dtype, fragments, index)
+            for ref, count in zip(
+                index.packs, np.bincount(index.fragments[:, PACK], minlength=len(index.packs)), strict=True
+            ):
+                pack_uses[ref.key] += int(count)
+                self._pack_layer[ref.key] = index
+                self._refs[ref.key] = ref
+        self._indexes = _SharedBlobs(self._fetch_index, pack_uses)
         # Readers may be many threads waiting on a network; decoding is kept to one per core.
         self._cpu = threading.BoundedSemaphore(knobs.cpu_threads())
 
+    def _pack_where(self, key: str) -> str:
+        index = self._pack_layer[key]
+        return f"{index.layer}: rank {self._refs[key].rank}'s tensors, saved at step {index.step}"
+
+    @contextlib.contextmanager
+    def _naming(self, what: str) -> Iterator[None]:
+        """Restate errors reading ``what`` (the object and whose tensors it holds) as this
+        step's, naming it."""
+        try:
+            yield
+        except NotFoundError:
+            raise NotFoundError(f"{what} is missing; step {self.step} cannot be materialized") from None
+        except CorruptError as exc:
+            raise CorruptError(f"{what} is corrupt: {exc}; step {self.step} cannot be materialized") from None
+        except UnsupportedError as exc:
+            raise UnsupportedError(f"{what}: {exc}") from None
+
+    def _read(self, read: Callable[[], bytes], decode: Callable[[bytes], T]) -> T:
+        # As in fetch_blob: a local read is CPU work and holds a slot, a network read waits outside.
+        if self._objects.reads_are_local:
+            with self._cpu:
+                return decode(read())
+        data = read()
+        with self._cpu:
+            return decode(data)
+
+    def _fetch_index(self, key: str) -> dict:
+        with self._naming(f"pack {key} ({self._pack_where(key)})"):
+            if self._objects.reads_are_local:  # a local read is CPU work (see _read)
+                with self._cpu:
+                    return fetch_pack_index(self._objects, self._refs[key])
+            return fetch_pack_index(self._objects, self._refs[key])
+
+    def _packed_fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
+        _, fragments, index = self._packed[(name, kind)]
+        out = []
+        for row in fragments:
+            ref = index.packs[row[PACK]]
+            entry = self._indexes.get(ref.key).get((name, kind, int(row[START])))
+            with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
+                if entry is None:
+                    raise CorruptError(f"its index has no {name} {kind} from element {row[START]}")
+                tensor = self._read(
+                    partial(self._objects.get_range, pack_name(ref.key), entry.offset, entry.length),
+                    partial(pack.decode_entry, entry=entry),
+                )
+                if tensor.numel() != row[NUMEL]:
+                    raise CorruptError(f"its {name} {kind} has {tensor.numel()} elements, not {row[NUMEL]}")
+            out.append((int(row[START]), tensor))
+        return out
+
     def _fetch(self, key: str) -> torch.Tensor:
         row = self._where[key]
-        where = f"{row.layer}: {row.name} {row.kind}, saved at step {row.step}"
-        try:
+        with self._naming(f"blob {key} ({row.layer}: {row.name} {row.kind}, saved at step {row.step})"):
             return fetch_blob(self._objects, key, self._cpu)
-        except NotFoundError:
-            raise NotFoundError(
-                f"blob {key} ({where}) is missing; step {self.step} cannot be materialized"
-            ) from None
-        except CorruptError as exc:
-            raise CorruptError(
-                f"blob {key} ({where}) is corrupt: {exc}; step {self.step} cannot be materialized"
-            ) from None
-        except UnsupportedError as exc:
-            raise UnsupportedError(f"blob {key} ({where}): {exc}") from None
 
     def dtype(self, name: str, kind: str) -> torch.dtype | None:
         """The dtype of the stored ``kind`` of ``name`` without reading it, or None if none is stored.
@@ -121,6 +208,8 @@ class StepReader:
         Told from the recorded blob size: fp32 masters are float32, and a state of the module
         dtype's width has the module dtype (the writer checks the decoded dtype anyway).
         """
+        if (name, kind) in self._packed:
+            return codec.DTYPES[self._packed[(name, kind)][0]]
         parts = self.rows.get((name, kind))
         if not parts:
             return None
@@ -141,11 +230,18 @@ class StepReader:
 
     def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
         """Stored pieces of ``kind`` of ``name`` as (start, 1-D tensor), in order."""
+        if (name, kind) in self._packed:
+            return [(start, tensor.reshape(-1)) for start, tensor in self._packed_fragments(name, kind)]
         return [(row.start, self._blobs.get(row.blob).reshape(-1)) for row in self.rows.get((name, kind), [])]
 
     def __call__(self, name: str, kind: str) -> torch.Tensor | None:
         """The whole ``kind`` of ``name`` in its own shape, assembled from its fragments, or None."""
         parts = self.rows.get((name, kind), [])
+        if (name, kind) in self._packed:
+            fragments = self._packed_fragments(name, kind)
+            if not fragments:
+                return None
+            return self._assemble(name, kind, fragments)
         if not parts:
             return None
         if len(parts) == 1 and parts[0].start == 0:
@@ -156,6 +252,14 @@ class StepReader:
             fragments = [(0, whole.reshape(-1))]
         else:
             fragments = self.fragments(name, kind)
+        return self._assemble(name, kind, fragments)
+
+    def _assemble(self, name: str, kind: str, fragments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        if len(fragments) == 1 and fragments[0][0] == 0:
+            whole = fragments[0][1]
+            shape = self.params[name]["shape"] if name in self.params else list(whole.shape)
+            if whole.numel() == math.prod(shape):
+                return whole.reshape(shape)
         shape = self.params[name]["shape"] if name in self.params else [sum(f.numel() for _, f in fragments)]
         numel = math.prod(shape)
         full = torch.empty(numel, dtype=fragments[0][1].dtype)
@@ -165,7 +269,7 @@ class StepReader:
                 raise CorruptError(
                     f"fragments of {name} {kind} do not tile the tensor (gap or overlap at {covered})"
                 )
-            full[start : start + fragment.numel()] = fragment
+            full[start : start + fragment.numel()] = fragment.reshape(-1)
             covered += fragment.numel()
         if covered != numel:
             raise CorruptError(f"fragments of {name} {kind} cover {covered} of {numel} elements")

@@ -1,0 +1,125 @@
+"""A rank's pieces into packs: one pack per layer (cut past ``knobs.pack_bytes``), each stored once.
+
+Format 2 stores what one rank saved of one layer as one object (``format.pack``), so a step is
+ranks x layers objects however finely ZeRO-3 cuts the parameters. A pack's key follows from its
+tensors' content keys alone, so an unchanged layer (frozen, or committed again) is only
+hashed and its pack freshened: nothing is compressed or written.
+
+More threads than cores run at once, so that fsyncs and uploads overlap compression, while a
+semaphore of CPU slots keeps the hashing and compressing threads to one per core. Every rank
+on this machine commits at the same time, so each takes its share of the slots.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .. import knobs
+from ..format import codec, pack
+from ..format.layout import pack_name
+from ..layers import layer_of
+from ..model import PackRef, Piece
+from ..objects import ObjectStore, data_size
+from .background import lower_thread_priority
+
+# (name, kind, dtype, start, numel) of one tensor in a pack: what the layer's index records.
+Entry = tuple[str, str, str, int, int]
+
+
+@dataclass
+class StoredPacks:
+    """What storing one rank's pieces gave: per layer its packs with their entries, and the packs
+    this call created (key -> stored size; the others already existed)."""
+
+    layers: dict[str, list[tuple[PackRef, list[Entry]]]] = field(default_factory=dict)
+    created: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tensors(self) -> int:
+        """How many tensors (whole or fragments) the packs hold."""
+        return sum(len(entries) for packs in self.layers.values() for _, entries in packs)
+
+
+def store_pieces(
+    objects: ObjectStore, rank: int, pieces: list[Piece], *, background: bool = False
+) -> StoredPacks:
+    """Store every piece that is not ``redundant`` in packs of its layer; durable when it returns.
+
+    ``background`` (a non-blocking commit) runs the work at a lower CPU priority. Raises what
+    the object store raises (nothing is recorded anyway).
+    """
+    cpu = threading.BoundedSemaphore(max(1, knobs.cpu_threads() // knobs.ranks_on_this_machine()))
+
+    def content_key(piece: Piece) -> str | None:
+        with cpu:
+            return None if piece.redundant() else codec.tensor_key(piece.tensor)
+
+    def store(members: list[tuple[Piece, str]]) -> tuple[PackRef, list[Entry], bool]:
+        key = pack.pack_key([(p.name, p.kind, p.start, k) for p, k in members])
+        raw_size = sum(p.nbytes for p, _ in members)
+        # Hashing is cheap, compressing is not: an existing pack is only freshened.
+        size = objects.touch(pack_name(key))
+        created = False
+        if size is None:
+            with cpu:
+                _, parts, _ = pack.encode_parts(
+                    [(p.name, p.kind, p.start, p.tensor) for p, _ in members], [k for _, k in members]
+                )
+            created = objects.put_if_absent(pack_name(key), parts)
+            size = data_size(parts)
+        entries = [
+            (p.name, p.kind, codec.dtype_name(p.tensor.dtype), p.start, p.tensor.numel()) for p, _ in members
+        ]
+        return PackRef(key, rank, size, raw_size), entries, created
+
+    with ThreadPoolExecutor(
+        knobs.io_threads(), initializer=lower_thread_priority if background else None
+    ) as pool:
+        keyed = [(p, k) for p, k in zip(pieces, pool.map(content_key, pieces), strict=True) if k is not None]
+        groups = _pack_groups(keyed, knobs.pack_bytes())
+        # Largest first, so that no big pack starts last while the other threads sit idle.
+        order = sorted(range(len(groups)), key=lambda i: -sum(p.nbytes for p, _ in groups[i][1]))
+        tasks = {i: pool.submit(store, groups[i][1]) for i in order}
+        stored = StoredPacks()
+        for i, (layer, _) in enumerate(groups):
+            ref, entries, created = tasks[i].result()
+            stored.layers.setdefault(layer, []).append((ref, entries))
+            if created:
+                stored.created[ref.key] = ref.size
+    return stored
+
+
+def _pack_groups(keyed: list[tuple[Piece, str]], limit: int) -> list[tuple[str, list[tuple[Piece, str]]]]:
+    """``(layer, members)`` of every pack: each layer's pieces in name, start and kind order, cut
+    where the next piece would take a pack past ``limit`` tensor bytes."""
+    by_layer: dict[str, list[tuple[Piece, str]]] = defaultdict(list)
+    for piece, key in keyed:
+        by_layer[layer_of(piece.name)].append((piece, key))
+    groups = []
+    for layer, members in by_layer.items():
+        members.sort(key=lambda m: (m[0].name, m[0].start, m[0].kind))
+        groups += [(layer, members[part]) for part in cut_points([p.nbytes for p, _ in members], limit)]
+    return groups
+
+
+def cut_points(sizes: list[int], limit: int) -> list[slice]:
+    """Where one layer's pack is cut: consecutive runs of ``sizes`` (tensor bytes, in pack order).
+
+    A run ends where the next tensor would take it past ``limit``, once it holds a quarter of
+    ``limit``; a shorter tail joins the run before it. So a cut pack is never small (the
+    per-object costs of a store stay negligible), and past ``limit`` only by one tensor or the tail.
+    """
+    parts, first, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if total >= limit // 4 and total + size > limit:
+            parts.append(slice(first, i))
+            first, total = i, 0
+        total += size
+    if parts and total < limit // 4:
+        parts[-1] = slice(parts[-1].start, len(sizes))
+    else:
+        parts.append(slice(first, len(sizes)))
+    return parts
