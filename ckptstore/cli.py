@@ -171,12 +171,12 @@ def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
         click.echo("no steps committed yet")
         return
     click.echo(
-        f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'blobs added':>11}  {'bytes added':>11}"
+        f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'objects added':>13}  {'bytes added':>11}"
     )
     for row in rows:
         saved = f"{row.layers_saved}/{row.layers_total}"
         click.echo(
-            f"{row.step:>10}  {row.created_at:<25} {saved:>12}  {row.blobs_added:>11}  {_human(row.bytes_added):>11}"
+            f"{row.step:>10}  {row.created_at:<25} {saved:>12}  {row.blobs_added:>13}  {_human(row.bytes_added):>11}"
         )
 
 
@@ -189,8 +189,8 @@ def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
 def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as_json: bool) -> None:
     """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
-    Exit code 0 when clean, 1 when problems were found. Unreferenced blobs (orphans),
-    manifests of interrupted commits and stray objects (names under blobs/, files/ or
+    Exit code 0 when clean, 1 when problems were found. Unreferenced packs and blobs (orphans),
+    manifests of interrupted commits and stray objects (names under packs/, blobs/, files/ or
     manifests/ that ckptstore does not write) are reported but are not problems.
 
     Example: ckptstore --store runs/store verify
@@ -225,7 +225,9 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
             else f"{len(report.problems) + len(report.file_problems) + len(report.catalog_problems)} problem(s)"
         )
         files = f" and {report.files_checked} auxiliary file(s)" if report.files_checked else ""
-        click.echo(f"{report.blobs_checked} blobs ({_human(report.bytes_checked)}){files} {mode}: {verdict}")
+        click.echo(
+            f"{report.blobs_checked} packs and blobs ({_human(report.bytes_checked)}){files} {mode}: {verdict}"
+        )
     if not report.ok:
         sys.exit(EXIT_PROBLEMS)
 
@@ -266,7 +268,7 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
                f"kept {len(report.steps_kept)}")  # fmt: skip
     files = f" and {report.files_freed} auxiliary file(s)" if report.files_freed else ""
     spared = report.blobs_spared + report.files_spared
-    click.echo(f"{freed} {report.blobs_freed} blob(s){files}, {_human(report.bytes_freed)}; "
+    click.echo(f"{freed} {report.blobs_freed} pack(s) and blob(s){files}, {_human(report.bytes_freed)}; "
                f"spared {spared} younger than the grace period ({_human(report.bytes_spared)})")  # fmt: skip
 
 
@@ -276,7 +278,7 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
 @click.option("--keep-step", "keep_steps", type=int, multiple=True, help="Keep this step (repeatable).")
 @click.option(
     "--grace", type=Duration(), default=None,
-    help="Never delete unreferenced blobs younger than this (e.g. 2h; default 1h or $CKPTSTORE_GC_GRACE seconds).",
+    help="Never delete unreferenced packs, blobs and files younger than this (e.g. 2h; default 1h or $CKPTSTORE_GC_GRACE seconds).",
 )  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Change nothing; print what would go and how many bytes.")
 @click.option("--allow-empty", is_flag=True, help="Allow the rules to drop every step.")
@@ -287,10 +289,10 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
 def gc(
     ctx, store_uri, keep_last, keep_every, keep_steps, grace, dry_run, allow_empty, verbose, as_json
 ) -> None:
-    """Drop steps the retention rules do not keep, then delete blobs and files no kept step needs.
+    """Drop steps the retention rules do not keep, then delete packs, blobs and files no kept step needs.
 
     Steps not kept by --keep-last, --keep-every or --keep-step are dropped; with no rule,
-    no step is dropped and only unreferenced blobs and auxiliary files go. Layers that kept (composite) steps
+    no step is dropped and only unreferenced packs, blobs and auxiliary files go. Layers that kept (composite) steps
     inherit from dropped steps are kept. Safe to run from cron next to training jobs:
     commits and other gc runs may run at the same time. Quiet unless it fails (or on a
     terminal, or with -v).

@@ -108,4 +108,4 @@ def max_file_bytes() -> int:
 def pack_bytes() -> int:
     """Tensor bytes past which a rank's pack of one layer is cut into several (format 2): bounds
     what a commit holds encoded per thread, and lets a big layer compress on several cores."""
-    return _int("PACK_BYTES", 64 * 1024 * 1024)
+    return _int("PACK_BYTES", 32 * 1024 * 1024)

@@ -51,7 +51,11 @@ def store_pieces(
     ``background`` (a non-blocking commit) runs the work at a lower CPU priority. Raises what
     the object store raises (nothing is recorded anyway).
     """
-    cpu = threading.BoundedSemaphore(max(1, knobs.cpu_threads() // knobs.ranks_on_this_machine()))
+    slots = max(1, knobs.cpu_threads() // knobs.ranks_on_this_machine())
+    cpu = threading.BoundedSemaphore(slots)
+    # A pack is held encoded until written: one per core being encoded, and one more being
+    # written, keeps the cores and the disk busy while memory holds a few packs, not one a thread.
+    encoded = threading.BoundedSemaphore(slots + 1)
 
     def content_key(piece: Piece) -> str | None:
         with cpu:
@@ -64,12 +68,14 @@ def store_pieces(
         size = objects.touch(pack_name(key))
         created = False
         if size is None:
-            with cpu:
-                _, parts, _ = pack.encode_parts(
-                    [(p.name, p.kind, p.start, p.tensor) for p, _ in members], [k for _, k in members]
-                )
-            created = objects.put_if_absent(pack_name(key), parts)
-            size = data_size(parts)
+            with encoded:
+                with cpu:
+                    _, parts, _ = pack.encode_parts(
+                        [(p.name, p.kind, p.start, p.tensor) for p, _ in members], [k for _, k in members]
+                    )
+                created = objects.put_if_absent(pack_name(key), parts)
+                size = data_size(parts)
+                del parts
         entries = [
             (p.name, p.kind, codec.dtype_name(p.tensor.dtype), p.start, p.tensor.numel()) for p, _ in members
         ]
