@@ -78,6 +78,11 @@ def cli(ctx: click.Context, store: str | None) -> None:
     help="Data-parallel size of the job that will load it (default: the committing job's).",
 )  # fmt: skip
 @click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option(
+    "--tag", default=None,
+    help="Name of the checkpoint folder in OUT, and what `latest` says (default global_step<STEP>; "
+    "accelerate's save_state uses pytorch_model).",
+)  # fmt: skip
 @click.argument("out", type=click.Path(file_okay=False))
 @_store_option
 @click.pass_context
@@ -88,12 +93,13 @@ def materialize(
     spec: str | None,
     world_size: int | None,
     force: bool,
+    tag: str | None,
     out: str,
 ) -> None:
     """Write step STEP (or the checkpoint a compose spec describes) as a DeepSpeed directory OUT.
 
-    OUT gets ``latest``, ``global_step<STEP>/`` and the step's auxiliary files; resume with
-    ``engine.load_checkpoint(OUT)``. OUT appears only once complete.
+    OUT gets ``latest``, ``global_step<STEP>/`` (or ``--tag``'s name) and the step's auxiliary
+    files; resume with ``engine.load_checkpoint(OUT)``. OUT appears only once complete.
 
     A spec (YAML) says which step each block range and auxiliary layer comes from, and
     which step gives the non-tensor state and files:
@@ -105,14 +111,16 @@ def materialize(
           - {layer_range: [16, 32], step: 400}
         aux: {model.embed_tokens: 300}
 
+    \b
     Example: ckptstore --store runs/store materialize --step 300 out/
+    For accelerate's load_state: ckptstore materialize --step 300 --tag pytorch_model out/
     """
     if step is None and spec is None:
         raise click.UsageError("Missing option '--step' (or --spec)")
     if step is not None and spec is not None:
         raise click.UsageError("--step and --spec exclude each other")
     with _open(ctx) as store:
-        path = store.materialize(step, out, spec=spec, world_size=world_size, force=force)
+        path = store.materialize(step, out, spec=spec, world_size=world_size, force=force, tag=tag)
     click.echo(f"materialized {f'step {step}' if spec is None else spec} at {path}")
 
 

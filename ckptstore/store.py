@@ -105,8 +105,9 @@ class Store:
         statistics (a store's first commit saves every layer whatever they say). Every commit
         records each layer's update since its last save (``show``). ``client_state`` is kept
         like DeepSpeed's ``save_checkpoint(client_state=...)``. ``files`` (paths, or a
-        directory) are kept with the step and copied out by ``materialize``; None keeps the
-        previous step's.
+        directory) are kept with the step and copied out by ``materialize``; each rank's own
+        are kept (the same path from two ranks must have the same contents); None on every
+        rank keeps the previous step's.
 
         Blocking (the default): returns the CommitReport once the step is durable.
         ``blocking=False``: returns a CommitHandle at once; the tensors are copied into host
@@ -148,10 +149,13 @@ class Store:
         spec: compose.Spec | None = None,
         world_size: int | None = None,
         force: bool = False,
+        tag: str | None = None,
     ) -> Path:
         """Write a DeepSpeed checkpoint directory for ``step`` at ``out`` and return its path.
 
-        ``out`` gets ``latest`` and ``global_step<step>/``, and the step's auxiliary files;
+        ``out`` gets ``latest`` and ``<tag>/`` (default ``global_step<step>``, what
+        ``save_checkpoint`` names it; accelerate's ``save_state`` uses ``pytorch_model``), and
+        the step's auxiliary files at the paths they were kept under;
         ``engine.load_checkpoint(out)`` resumes from it, at ``world_size`` ranks (default: the
         committed one). Instead of a step, ``spec`` (a compose spec: YAML file or mapping, see
         ``ckptstore.materialize.compose``) picks the step of every layer range and of the
@@ -162,7 +166,7 @@ class Store:
         fails verification: nothing is written), ConflictError (non-empty ``out``).
         """
         return materialize(
-            self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force
+            self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
         )
 
     def verify(self, *, deep: bool = True) -> VerifyReport:

@@ -230,6 +230,29 @@ def failing_rank(root: Path) -> dict:
     return {"outcome": outcome, "steps": ckptstore.open(root / "failing").steps()}
 
 
+def per_rank_files(root: Path) -> dict:
+    """Each rank keeps its own files with the step (and one both have); then both give the same
+    path different contents, which no rank may commit."""
+    import ckptstore
+
+    store = ckptstore.open(root / "files")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    mine = root / f"rank{rank()}"
+    mine.mkdir()
+    (mine / f"rng_state_{rank()}.pth").write_bytes(f"rng of rank {rank()}".encode())
+    (mine / "trainer_state.json").write_text('{"global_step": 1}')
+    store.commit(engine, step=1, files=mine)
+    (mine / "trainer_state.json").write_text(f'{{"rank": {rank()}}}')
+    try:
+        store.commit(engine, step=2, files=mine)
+        outcome = "committed"
+    except ckptstore.CkptStoreError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    barrier()
+    return {"files": [row.path for row in store.files(1)], "outcome": outcome, "steps": store.steps()}
+
+
 def s3_machines(root: Path) -> dict:
     """Each rank on a machine of its own (own catalog cache) commits into the S3 store named by
     $CKPTSTORE_STORE; a third machine materializes the step; both ranks resume from it."""
@@ -269,7 +292,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
+             "fail": failing_rank, "files": per_rank_files, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

@@ -113,3 +113,23 @@ def test_verify_names_a_missing_or_damaged_file_and_the_steps_carrying_it(tmp_pa
     assert problem.problem == "is missing"
     with pytest.raises(ckptstore.CorruptError, match="auxiliary file"):
         store.gc(grace=0)  # gc does not run on a damaged store
+
+
+def test_materialize_names_the_checkpoint_folder_by_the_tag_a_loader_asks_for(tmp_path, engine):
+    # accelerate's save_state/load_state use the tag "pytorch_model", not global_step<N>.
+    store = ckptstore.open(tmp_path / "store")
+    store.commit(engine, step=1, files=[write(tmp_path / "pytorch_model" / "x.json", "{}")])
+    with pytest.raises(BadInputError, match="name of a file kept with the step"):
+        store.materialize(1, tmp_path / "clash", tag="x.json")
+    store.commit(engine, step=2, files=[write(tmp_path / "config.json", "{}")])
+    out = store.materialize(2, tmp_path / "out", tag="pytorch_model")
+    assert (out / "latest").read_text() == "pytorch_model"
+    assert {p.name for p in out.iterdir()} >= {"config.json", "latest", "pytorch_model"}
+    assert not any(p.name.startswith("global_step") for p in out.iterdir())
+    resumed = build_engine("llama", zero_stage=1, dtype="bf16", seed=1, num_layers=2)
+    path, _ = resumed.load_checkpoint(str(out), tag="pytorch_model")
+    assert path is not None and resumed.global_steps == engine.global_steps
+    for bad in ("", "latest", "a/b", ".."):
+        with pytest.raises(BadInputError, match="cannot name a checkpoint folder"):
+            store.materialize(2, tmp_path / "bad", tag=bad)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "clash").exists()

@@ -62,6 +62,16 @@ def test_a_failing_rank_fails_the_commit_everywhere_and_records_nothing(tmp_path
     assert rank0["steps"] == rank1["steps"] == []
 
 
+def test_each_rank_keeps_its_own_files_with_the_step(tmp_path):
+    for observed in torchrun("files", tmp_path):
+        assert observed["files"] == ["rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]
+        assert "different contents for trainer_state.json" in observed["outcome"]
+        assert observed["steps"] == [1]
+    out = ckptstore.open(tmp_path / "files").materialize(1, tmp_path / "out")
+    assert [(out / f"rng_state_{r}.pth").read_bytes() for r in (0, 1)] == [b"rng of rank 0", b"rng of rank 1"]
+    assert (out / "trainer_state.json").read_text() == '{"global_step": 1}'
+
+
 def test_committed_on_two_ranks_loads_on_one(tmp_path):
     torchrun("commit", tmp_path)
     for name, (stage, overrides) in RESHARD.items():

@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import auxfiles, strategies
 from ..catalog import Catalog, sync
+from ..errors import BadInputError
 from ..format import config, layerpacks
 from ..layers import layer_of
 from ..model import FileRow, LayerPacks, Snapshot
@@ -49,6 +50,7 @@ class _RankShare:
     description: dict | None
     world_size: int
     stored: StoredPacks
+    files: list[FileRow] | None  # the files this rank was given (None: none given)
 
 
 class _RankCommit:
@@ -61,7 +63,6 @@ class _RankCommit:
         self.file_entries: list[tuple[str, Path]] | None = None
         self.plan: CommitPlan | None = None
         self.samples: dict[str, bytes] = {}
-        self.files: list[FileRow] = []
 
     def sample(
         self, take_snapshot: Callable[[], Snapshot], files: auxfiles.FileSpec | None
@@ -70,7 +71,7 @@ class _RankCommit:
         check_new_step(self.catalog, self.step)
         if self.rank_zero:
             config.upgrade(self.objects)
-        self.file_entries = auxfiles.collect(files) if self.rank_zero and files is not None else None
+        self.file_entries = auxfiles.collect(files) if files is not None else None
         self.snapshot = take_snapshot()
         return stats.own_samples(self.snapshot.pieces, self.snapshot.description["params"])
 
@@ -85,15 +86,26 @@ class _RankCommit:
         stored = store_pieces(self.objects, snapshot.rank, pieces, background=self.background)
         if self.rank_zero:
             self.samples = {name: s for name, s in samples.items() if layer_of(name) in saved}
-            self.files = self._store_files()
-        return _RankShare(description if snapshot.rank == 0 else None, snapshot.world_size, stored)
+        files = auxfiles.store(self.objects, self.file_entries) if self.file_entries is not None else None
+        return _RankShare(description if snapshot.rank == 0 else None, snapshot.world_size, stored, files)
 
-    def _store_files(self) -> list[FileRow]:
-        """The step's auxiliary files, stored; without any given, the previous step's."""
-        if self.file_entries is not None:
-            return auxfiles.store(self.objects, self.file_entries)
-        previous = self.plan.previous
-        return self.catalog.files(previous) if previous is not None else []
+    def step_files(self, shares: list[_RankShare]) -> list[FileRow]:
+        """The step's auxiliary files: every rank's (each rank its own paths, the same file from
+        several ranks once); with none given on any rank, the previous step's."""
+        given = [(rank, share.files) for rank, share in enumerate(shares) if share.files is not None]
+        if not given:
+            previous = self.plan.previous
+            return self.catalog.files(previous) if previous is not None else []
+        by_path: dict[str, tuple[int, FileRow]] = {}
+        for rank, rows in given:
+            for row in rows:
+                first = by_path.setdefault(row.path, (rank, row))
+                if first[1].key != row.key:
+                    raise BadInputError(
+                        f"files=: ranks {first[0]} and {rank} give different contents for {row.path}; "
+                        "give each rank's own files their own names (rng_state_<rank>.pth)"
+                    )
+        return [row for _, row in sorted(by_path.values(), key=lambda item: item[1].path)]
 
 
 def commit_step(
@@ -125,7 +137,7 @@ def commit_step(
         def record() -> None:
             step_record = build_record(
                 catalog, step, shares[0].world_size, shares[0].description, plan.layer_sources,
-                _layer_indexes(step, plan.saved, shares), plan.updates, own.files, created,
+                _layer_indexes(step, plan.saved, shares), plan.updates, own.step_files(shares), created,
             )  # fmt: skip
             publish(objects, catalog, step_record, manifest_commits=manifest_commits, samples=own.samples)
 

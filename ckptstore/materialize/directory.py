@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import auxfiles
 from ..catalog import Catalog
 from ..errors import BadInputError, ConflictError, CorruptError, require_int
-from ..model import layers_by_source
+from ..model import FileRow, layers_by_source
 from ..objects import ObjectStore
 from . import compose
 from .reader import StepReader
@@ -32,6 +32,7 @@ def materialize(
     spec: compose.Spec | None = None,
     world_size: int | None = None,
     force: bool = False,
+    tag: str | None = None,
 ) -> Path:
     """Write ``step`` (or the step a compose ``spec`` names) as a DeepSpeed directory at ``out``.
 
@@ -55,19 +56,34 @@ def materialize(
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
-    tensors = step_reader(objects, catalog, step, description, sources)
+    tag = f"global_step{step}" if tag is None else tag
     files = catalog.files(step)
     auxfiles.check_rows(files)
+    check_tag(tag, files)
+    tensors = step_reader(objects, catalog, step, description, sources)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
     try:
-        write_checkpoint(description, tensors, staging, f"global_step{step}", world_size)
+        write_checkpoint(description, tensors, staging, tag, world_size)
         auxfiles.copy_out(objects, files, staging)
         swap_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def check_tag(tag: str, files: list[FileRow]) -> None:
+    """BadInputError unless ``tag`` can name the checkpoint folder beside the step's ``files``."""
+    if not isinstance(tag, str) or not tag or tag in (".", "..", "latest") or any(c in tag for c in "/\\\0"):
+        raise BadInputError(
+            f"the tag {tag!r} cannot name a checkpoint folder (one path component, not 'latest')"
+        )
+    clash = [row.path for row in files if row.path.split("/")[0] == tag]
+    if clash:
+        raise BadInputError(
+            f"the tag {tag!r} is the name of a file kept with the step ({clash[0]}); choose another"
+        )
 
 
 def step_reader(
