@@ -253,6 +253,31 @@ def per_rank_files(root: Path) -> dict:
     return {"files": [row.path for row in store.files(1)], "outcome": outcome, "steps": store.steps()}
 
 
+def attached(root: Path) -> dict:
+    """save_checkpoint/load_checkpoint through an attached store, against DeepSpeed's own files."""
+    import ckptstore
+    from ckptstore.integrations.deepspeed import attach
+
+    seen = {}
+    for stage in (1, 3):
+        store = ckptstore.open(root / f"store{stage}")
+        engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=2)
+        train(engine, DATA[:3])
+        engine.save_checkpoint(str(root / f"deepspeed{stage}"))
+        attach(engine, store)
+        engine.save_checkpoint(str(root / f"run{stage}"))
+        reference = build_engine("llama", zero_stage=stage, dtype="bf16", seed=1, num_layers=2)
+        reference.load_checkpoint(str(root / f"deepspeed{stage}"))
+        resumed = build_engine("llama", zero_stage=stage, dtype="bf16", seed=2, num_layers=2)
+        attach(resumed, store)
+        resumed.load_checkpoint(str(root / f"run{stage}"))
+        seen[f"zero{stage}"] = {
+            "steps": store.steps(), "pt_files": len(list((root / f"run{stage}").rglob("*.pt"))),
+            "reference": train(reference, DATA[3:]), "resumed": train(resumed, DATA[3:]),
+        }  # fmt: skip
+    return seen
+
+
 def s3_machines(root: Path) -> dict:
     """Each rank on a machine of its own (own catalog cache) commits into the S3 store named by
     $CKPTSTORE_STORE; a third machine materializes the step; both ranks resume from it."""
@@ -292,7 +317,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "files": per_rank_files, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
+             "fail": failing_rank, "files": per_rank_files, "attach": attached, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

@@ -20,7 +20,7 @@ LAYERS = [
     {"commit", "materialize", "verify", "gc"},
     {"store"},
     {"opening"},
-    {"cli", "__init__"},
+    {"cli", "__init__", "integrations"},
 ]
 
 

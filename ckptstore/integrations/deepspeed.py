@@ -1,0 +1,150 @@
+"""``attach``: a DeepSpeed engine's own ``save_checkpoint`` and ``load_checkpoint`` go through a store.
+
+DeepSpeed lets a ``CheckpointEngine`` (``engine.checkpoint_engine``) take over how checkpoint
+files are written; DataStates and Nebula plug in there. ``StoreCheckpointEngine`` writes none
+of them: when ``save_checkpoint`` commits, the engine's state is committed into the store as
+step ``engine.global_steps``, and the tag folder gets one small file, ``ckptstore.json``,
+naming the store and the step. DeepSpeed still writes ``latest``. So code that calls
+``save_checkpoint(dir, tag)`` (a hand-written loop, the Hugging Face Trainer, accelerate's
+``save_state``) fills the store instead of ``dir``.
+
+Loading reads files by name from the directory before any ``CheckpointEngine.load``, so
+``attach`` wraps the engine's ``load_checkpoint`` instead: a tag folder holding
+``ckptstore.json`` is materialized from the store (for the job's current world size) into a
+private temporary directory on each rank and loaded from there by DeepSpeed itself, so every
+``load_checkpoint`` option behaves as it does for DeepSpeed's own files. Any other directory
+loads as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from .. import strategies
+from ..commit import ranks
+from ..errors import BadInputError, CorruptError
+from ..opening import open as open_store
+from ..store import Store
+
+MARKER = "ckptstore.json"
+# Model-states entries that are engine state rather than client state (extract reads those live).
+_ENGINE_ENTRIES = {"module", "optimizer"}
+
+
+class StoreCheckpointEngine(CheckpointEngine):
+    """A ``CheckpointEngine`` whose checkpoints are steps of ``store`` (see the module doc)."""
+
+    def __init__(
+        self,
+        store: Store,
+        engine: Any,
+        *,
+        layers: strategies.Selection = None,
+        files=None,
+        blocking: bool = True,
+    ) -> None:
+        super().__init__()
+        self.name = "ckptstore"
+        self.store, self.engine = store, engine
+        self.layers, self.files, self.blocking = layers, files, blocking
+        self._client_state: dict | None = None
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        self._client_state = None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        # Nothing is written: the commit reads the engine's state live. The model-states dict
+        # is where save_checkpoint put its client_state, which the step must keep.
+        if path.endswith("model_states.pt") and self._client_state is None and isinstance(state_dict, dict):
+            self._client_state = {k: v for k, v in state_dict.items() if k not in _ENGINE_ENTRIES}
+
+    def load(self, path: str, map_location=None) -> Any:
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        step = int(self.engine.global_steps)
+        self.store.commit(
+            self.engine, step, layers=self.layers, client_state=self._client_state, files=self.files,
+            blocking=self.blocking,
+        )  # fmt: skip
+        if ranks.world()[0] == 0:
+            folder = Path(info.save_dir) / info.tag
+            folder.mkdir(parents=True, exist_ok=True)
+            marker = {"store": self.store.objects.uri, "step": step, "tag": info.tag}
+            (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        self._client_state = None
+        return True
+
+
+def attach(
+    engine: Any,
+    store: Store | str,
+    *,
+    layers: strategies.Selection = None,
+    files=None,
+    blocking: bool = True,
+) -> StoreCheckpointEngine:
+    """From now on, ``engine.save_checkpoint(dir, tag)`` commits into ``store`` and
+    ``engine.load_checkpoint(dir, tag)`` restores what it committed (see the module doc).
+
+    ``store`` is a Store or a URI. ``layers``, ``files`` and ``blocking`` are passed to every
+    commit (``Store.commit``); the step is ``engine.global_steps``. Collective like the calls
+    it changes: every rank attaches. Returns the checkpoint engine now in place.
+    """
+    if isinstance(store, (str, os.PathLike)):
+        store = open_store(store)
+    if getattr(engine, "_ckptstore_attached", None) is not None:
+        raise BadInputError("this engine is already attached to a store")
+    checkpoint_engine = StoreCheckpointEngine(store, engine, layers=layers, files=files, blocking=blocking)
+    original_load = engine.load_checkpoint
+
+    def load_checkpoint(load_dir, tag=None, **options):
+        folder_tag = tag if tag is not None else _latest(load_dir)
+        marker = Path(load_dir) / str(folder_tag) / MARKER if folder_tag is not None else None
+        if marker is None or not marker.is_file():
+            return original_load(load_dir, tag, **options)
+        return _load_from_store(engine, store, original_load, marker, str(folder_tag), options)
+
+    engine._ckptstore_attached = (engine.checkpoint_engine, original_load)
+    engine.checkpoint_engine = checkpoint_engine
+    engine.load_checkpoint = load_checkpoint
+    return checkpoint_engine
+
+
+def detach(engine: Any) -> None:
+    """Give ``engine`` back its own checkpoint engine and ``load_checkpoint``."""
+    attached = getattr(engine, "_ckptstore_attached", None)
+    if attached is None:
+        return
+    checkpoint_engine, original_load = attached
+    checkpoint_engine_now = engine.checkpoint_engine
+    if isinstance(checkpoint_engine_now, StoreCheckpointEngine):
+        checkpoint_engine_now.store.wait()
+    engine.checkpoint_engine, engine.load_checkpoint = checkpoint_engine, original_load
+    engine._ckptstore_attached = None
+
+
+def _latest(load_dir) -> str | None:
+    latest = Path(load_dir) / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def _load_from_store(engine: Any, store: Store, original_load, marker: Path, tag: str, options: dict):
+    try:
+        named = json.loads(marker.read_text())
+        step, uri = int(named["step"]), str(named["store"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptError(f"{marker} does not name a ckptstore step ({exc!r})") from None
+    store.wait()  # a non-blocking commit in flight may be the step asked for
+    source = store if uri == store.objects.uri else open_store(uri, create=False)
+    with tempfile.TemporaryDirectory(prefix="ckptstore-load-") as scratch:
+        # Each rank materializes on its own: no directory has to be shared between machines.
+        out = source.materialize(step, Path(scratch) / "checkpoint", world_size=engine.dp_world_size, tag=tag)
+        return original_load(str(out), tag, **options)
