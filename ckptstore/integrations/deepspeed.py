@@ -49,11 +49,16 @@ class StoreCheckpointEngine(CheckpointEngine):
         layers: strategies.Selection = None,
         files=None,
         blocking: bool = True,
+        deferred: bool = False,
     ) -> None:
         super().__init__()
         self.name = "ckptstore"
         self.store, self.engine = store, engine
         self.layers, self.files, self.blocking = layers, files, blocking
+        # deferred: save_checkpoint only names the step; the caller commits it with
+        # ``commit_pending`` once the files it keeps with the step are written (the Trainer).
+        self.deferred = deferred
+        self.pending: dict | None = None
         self._client_state: dict | None = None
 
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -70,10 +75,10 @@ class StoreCheckpointEngine(CheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         step = int(self.engine.global_steps)
-        self.store.commit(
-            self.engine, step, layers=self.layers, client_state=self._client_state, files=self.files,
-            blocking=self.blocking,
-        )  # fmt: skip
+        if self.deferred:
+            self.pending = {"step": step, "client_state": self._client_state}
+        else:
+            self.commit_pending(step, self._client_state, self.files)
         if ranks.world()[0] == 0:
             folder = Path(info.save_dir) / info.tag
             folder.mkdir(parents=True, exist_ok=True)
@@ -81,6 +86,17 @@ class StoreCheckpointEngine(CheckpointEngine):
             (folder / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         self._client_state = None
         return True
+
+    def commit_pending(self, step: int, client_state: dict | None, files) -> None:
+        """Commit the engine's state as ``step`` with ``files`` (collective)."""
+        self.store.commit(
+            self.engine,
+            step,
+            layers=self.layers,
+            client_state=client_state,
+            files=files,
+            blocking=self.blocking,
+        )
 
 
 def attach(
@@ -90,19 +106,24 @@ def attach(
     layers: strategies.Selection = None,
     files=None,
     blocking: bool = True,
+    deferred: bool = False,
 ) -> StoreCheckpointEngine:
     """From now on, ``engine.save_checkpoint(dir, tag)`` commits into ``store`` and
     ``engine.load_checkpoint(dir, tag)`` restores what it committed (see the module doc).
 
     ``store`` is a Store or a URI. ``layers``, ``files`` and ``blocking`` are passed to every
     commit (``Store.commit``); the step is ``engine.global_steps``. Collective like the calls
-    it changes: every rank attaches. Returns the checkpoint engine now in place.
+    it changes: every rank attaches. ``deferred``: ``save_checkpoint`` only names the step and
+    the caller commits it (``StoreCheckpointEngine.commit_pending``). Returns the checkpoint
+    engine now in place.
     """
     if isinstance(store, (str, os.PathLike)):
         store = open_store(store)
     if getattr(engine, "_ckptstore_attached", None) is not None:
         raise BadInputError("this engine is already attached to a store")
-    checkpoint_engine = StoreCheckpointEngine(store, engine, layers=layers, files=files, blocking=blocking)
+    checkpoint_engine = StoreCheckpointEngine(
+        store, engine, layers=layers, files=files, blocking=blocking, deferred=deferred
+    )
     original_load = engine.load_checkpoint
 
     def load_checkpoint(load_dir, tag=None, **options):

@@ -1,0 +1,117 @@
+"""``CkptStoreCallback``: every save of a Hugging Face Trainer running DeepSpeed goes into a store.
+
+The Trainer saves a checkpoint by calling the DeepSpeed engine's ``save_checkpoint`` and then
+writing its own files (``trainer_state.json``, ``rng_state_<rank>.pth``, ...) into
+``checkpoint-N/``. The callback attaches the store to the engine when training begins
+(``integrations.deepspeed.attach``, deferred), so ``save_checkpoint`` writes no tensors and
+only names the step; at ``on_save``, once the Trainer's files exist, every rank commits the
+engine's state with its own files of that step. The model weights the Trainer may write on
+its own (``model.safetensors``) are left where it wrote them and not stored.
+
+A resume either goes through the store (the Trainer's ``checkpoint-N/`` names the step and
+the attached engine restores it) or from ``ckptstore materialize --step N out/checkpoint-N``
+on any machine, at any world size.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .. import strategies
+from ..commit import ranks
+from ..errors import BadInputError
+from ..opening import open as open_store
+from ..store import Store
+from .deepspeed import MARKER, StoreCheckpointEngine, attach
+
+# Files of checkpoint-N that are not the Trainer's state: DeepSpeed's, and model weights.
+_NOT_KEPT = re.compile(r"(latest|zero_to_fp32\.py|zero_to_torch\.py|.*\.safetensors|pytorch_model.*\.bin"
+                       r"|model\.safetensors\.index\.json)")  # fmt: skip
+_RANK_FILE = re.compile(r"rng_state_(\d+)\.pth")
+
+
+class CkptStoreCallback(TrainerCallback):
+    """Commit every Trainer save of a DeepSpeed run into ``store`` (a Store or a URI).
+
+    ``layers`` chooses the saved layers per commit (a list, a Strategy such as ``Parity()``,
+    or None for all); ``blocking=False`` commits behind training. The step is the Trainer's
+    ``global_step``. Needs ``trainer.model_wrapped`` to be a DeepSpeed engine (``deepspeed=``
+    in the TrainingArguments).
+    """
+
+    def __init__(
+        self, store: Store | str, *, layers: strategies.Selection = None, blocking: bool = True
+    ) -> None:
+        self.store = store
+        self.layers, self.blocking = layers, blocking
+        self.checkpoint_engine: StoreCheckpointEngine | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
+        if self.checkpoint_engine is not None:
+            return
+        if not isinstance(self.store, Store):
+            self.store = open_store(self.store)
+        engine = _engine_of(model)
+        self.checkpoint_engine = attach(
+            engine, self.store, layers=self.layers, blocking=self.blocking, deferred=True
+        )
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        checkpoint_engine = self.checkpoint_engine
+        if checkpoint_engine is None or checkpoint_engine.pending is None:
+            return
+        pending, checkpoint_engine.pending = checkpoint_engine.pending, None
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        checkpoint_engine.commit_pending(pending["step"], pending["client_state"], trainer_files(folder))
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        if isinstance(self.store, Store):
+            self.store.wait()
+
+
+def trainer_files(folder: Path) -> list[Path]:
+    """The files of a Trainer checkpoint folder this rank keeps with the step: its own
+    ``rng_state_<rank>.pth``, and on rank 0 the Trainer's other files (``trainer_state.json``,
+    ``rng_state.pth``, ``scaler.pt``, ``config.json``, tokenizer files...), never DeepSpeed's
+    files or model weights."""
+    rank = ranks.world()[0]
+    kept = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not path.is_file() or _NOT_KEPT.fullmatch(path.name):
+            continue
+        own = _RANK_FILE.fullmatch(path.name)
+        if (own and int(own.group(1)) == rank) or (not own and rank == 0):
+            kept.append(path)
+    return kept
+
+
+def _engine_of(model: Any) -> Any:
+    """The DeepSpeed engine wrapping ``model`` (the Trainer passes callbacks the bare model)."""
+    from deepspeed import DeepSpeedEngine
+
+    if isinstance(model, DeepSpeedEngine):
+        return model
+    # Callbacks are not given the engine; it is the one object that holds this model. (Some
+    # objects warn when merely inspected, e.g. torch's deprecated reduce_op.)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for candidate in gc.get_objects():
+            if (
+                type(candidate) is not type
+                and isinstance(candidate, DeepSpeedEngine)
+                and candidate.module is model
+            ):
+                return candidate
+    raise BadInputError(
+        "CkptStoreCallback needs the Trainer to run DeepSpeed (TrainingArguments(deepspeed=...)); "
+        "no DeepSpeed engine wraps the model"
+    )
+
+
+__all__ = ["CkptStoreCallback", "MARKER", "trainer_files"]

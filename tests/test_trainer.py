@@ -1,0 +1,81 @@
+"""The Hugging Face Trainer with CkptStoreCallback: every save goes into the store, and a
+Trainer resumes from a materialized step exactly as from its own checkpoint."""
+
+import pytest
+
+import ckptstore
+from tools.engines import batches, build_model
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from ckptstore.integrations.transformers import CkptStoreCallback  # noqa: E402
+from ckptstore.strategies import Parity  # noqa: E402
+
+
+class Losses(transformers.TrainerCallback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+
+def train(out, stage, resume=None, callbacks=(), max_steps=4):
+    """A tiny Llama under the Trainer with DeepSpeed on CPU (bf16, its own LR schedule),
+    saving every 2 steps; returns the logged loss of each step."""
+    model = build_model("llama", seed=0, num_layers=2, hidden=32, vocab=128)
+    deepspeed = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+    }  # fmt: skip
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, max_steps=max_steps, save_steps=2, logging_steps=1,
+        deepspeed=deepspeed, bf16=True, use_cpu=True, report_to=[], seed=0, learning_rate=1e-2,
+        lr_scheduler_type="linear", warmup_steps=1, dataloader_num_workers=0,
+    )  # fmt: skip
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(16, batch=1)]
+    losses = Losses()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[losses, *callbacks])
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return losses.losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trainer_resumes_from_a_materialized_step_as_from_its_own_checkpoint(tmp_path, stage):
+    own = train(tmp_path / "own", stage)
+    reference = train(tmp_path / "own-resumed", stage, resume=tmp_path / "own" / "checkpoint-2")
+
+    store = ckptstore.open(tmp_path / "store")
+    with_store = train(tmp_path / "run", stage, callbacks=[CkptStoreCallback(store)])
+    assert with_store == own  # the callback changes nothing about training
+    assert store.steps() == [2, 4]
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    # DeepSpeed's files hold no tensors there: its tag folder only names the step.
+    assert [p.name for p in (checkpoint / "global_step2").iterdir()] == ["ckptstore.json"]
+    kept = {row.path for row in store.files(2)}
+    assert {"trainer_state.json", "rng_state.pth", "scheduler.pt"} <= kept
+    assert not any("safetensors" in path for path in kept)  # the weights the Trainer writes itself
+
+    after_2 = {s: loss for s, loss in reference.items() if s > 2}
+    out = store.materialize(2, tmp_path / "elsewhere" / "checkpoint-2")
+    resumed = train(tmp_path / "resumed", stage, resume=out)
+    assert {s: loss for s, loss in resumed.items() if s > 2} == after_2
+
+
+def blocks_by_source(store, step):
+    return {layer: source for layer, source in store.sources(step).items() if ".layers." in layer}
+
+
+def test_a_strategy_saves_half_the_blocks_at_alternate_saves(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    train(tmp_path / "run", 2, callbacks=[CkptStoreCallback(store, layers=Parity())], max_steps=6)
+    saved = {row.step: row.layers_saved for row in store.log()}
+    assert saved[2] == 5 and saved[4] == saved[6] == 4  # embed, norm, head and one of the two blocks
+    assert sorted(blocks_by_source(store, 6).values()) == [4, 6]
+    reference = train(tmp_path / "own", 2, max_steps=6)
+    checkpoint = store.materialize(2, tmp_path / "out" / "checkpoint-2")
+    resumed = train(tmp_path / "resumed", 2, resume=checkpoint, max_steps=6)
+    assert {s: loss for s, loss in resumed.items() if s > 2} == {
+        s: loss for s, loss in reference.items() if s > 2
+    }
