@@ -278,6 +278,31 @@ def attached(root: Path) -> dict:
     return seen
 
 
+def trainer(root: Path) -> dict:
+    """The Hugging Face Trainer on two ranks with CkptStoreCallback, resumed from a materialized
+    step, against the Trainer resuming from its own checkpoint of a run without the callback."""
+    import ckptstore
+    from ckptstore.integrations.transformers import CkptStoreCallback
+    from tests.test_trainer import train as trainer_run
+
+    seen = {}
+    for stage in (2, 3):
+        trainer_run(root / f"own{stage}", stage)
+        reference = trainer_run(
+            root / f"own-resumed{stage}", stage, resume=root / f"own{stage}" / "checkpoint-2"
+        )
+        store_path = root / f"store{stage}"
+        trainer_run(root / f"run{stage}", stage, callbacks=[CkptStoreCallback(store_path)])
+        if rank() == 0:
+            ckptstore.open(store_path).materialize(2, root / f"out{stage}" / "checkpoint-2")
+        barrier()
+        resumed = trainer_run(root / f"resumed{stage}", stage, resume=root / f"out{stage}" / "checkpoint-2")
+        files = [row.path for row in ckptstore.open(store_path).files(2)]
+        seen[f"zero{stage}"] = {"files": files, "reference": {k: v for k, v in reference.items() if k > 2},
+                                "resumed": {k: v for k, v in resumed.items() if k > 2}}  # fmt: skip
+    return seen
+
+
 def s3_machines(root: Path) -> dict:
     """Each rank on a machine of its own (own catalog cache) commits into the S3 store named by
     $CKPTSTORE_STORE; a third machine materializes the step; both ranks resume from it."""
@@ -317,7 +342,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "files": per_rank_files, "attach": attached, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
+             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

@@ -79,6 +79,14 @@ def test_an_attached_store_takes_save_and_load_checkpoint_on_two_ranks(tmp_path)
             assert run["resumed"] == run["reference"], config
 
 
+def test_a_two_rank_trainer_resumes_from_a_materialized_step_as_from_its_own_checkpoint(tmp_path):
+    pytest.importorskip("accelerate")
+    for observed in torchrun("trainer", tmp_path):
+        for config, run in observed.items():
+            assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(run["files"]), config
+            assert run["resumed"] == run["reference"] and run["reference"], config
+
+
 def test_committed_on_two_ranks_loads_on_one(tmp_path):
     torchrun("commit", tmp_path)
     for name, (stage, overrides) in RESHARD.items():
