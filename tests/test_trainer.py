@@ -22,9 +22,12 @@ class Losses(transformers.TrainerCallback):
 
 
 def train(out, stage, resume=None, callbacks=(), max_steps=4):
-    """A tiny Llama under the Trainer with DeepSpeed on CPU (bf16, its own LR schedule),
-    saving every 2 steps; returns the logged loss of each step."""
+    """A tiny Llama (attention dropout on) under the Trainer with DeepSpeed on CPU (bf16, the
+    Trainer's own LR schedule), saving every 2 steps; returns the logged loss of each step."""
     model = build_model("llama", seed=0, num_layers=2, hidden=32, vocab=128)
+    for module in model.modules():  # dropout on: a resume must restore the RNG states too
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.2
     deepspeed = {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
