@@ -24,6 +24,13 @@ from .objects import ObjectStore
 _RESERVED = ("latest", "zero_to_fp32.py", "zero_to_torch.py")
 
 FileSpec = str | os.PathLike | Iterable[str | os.PathLike]
+# What collect() found, as (path in the checkpoint directory, local path or the bytes read).
+Entries = list[tuple[str, Path | bytes]]
+
+
+class Read(list):
+    """Files already read (``read``): ``collect`` passes them through unchanged, so a commit
+    that runs later keeps the contents the files had when it was submitted."""
 
 
 def file_key(data: bytes) -> str:
@@ -31,13 +38,15 @@ def file_key(data: bytes) -> str:
     return xxhash.xxh3_128(data).hexdigest()
 
 
-def collect(files: FileSpec) -> list[tuple[str, Path]]:
+def collect(files: FileSpec | Read) -> Entries:
     """``(path in the checkpoint directory, local path)`` of every file named by ``files``.
 
     ``files`` is a directory (every file under it, at its relative path), one file, or a list
     of files and directories (a file keeps its base name). Raises BadInputError for missing
     or oversized files, duplicate names, and names the checkpoint itself uses.
     """
+    if isinstance(files, Read):
+        return list(files)
     given = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     found: dict[str, Path] = {}
     for item in given:
@@ -72,11 +81,16 @@ def _check_name(name: str) -> None:
         raise BadInputError(f"files=: {name} would replace part of the DeepSpeed checkpoint; rename it")
 
 
-def store(objects: ObjectStore, entries: list[tuple[str, Path]]) -> list[FileRow]:
+def read(files: FileSpec) -> Read:
+    """``collect(files)`` with every file's bytes read now (a non-blocking commit's files)."""
+    return Read((name, source.read_bytes()) for name, source in collect(files))
+
+
+def store(objects: ObjectStore, entries: Entries) -> list[FileRow]:
     """Store each file once (content-addressed); durable when it returns."""
     rows = []
     for name, source in entries:
-        data = source.read_bytes()
+        data = source if isinstance(source, bytes) else source.read_bytes()
         key = file_key(data)
         if objects.touch(file_name(key)) is None:
             objects.put_if_absent(file_name(key), data)

@@ -165,3 +165,22 @@ def test_interpreter_exit_flushes_a_commit_in_flight(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     store = ckptstore.open(tmp_path / "store")
     assert store.steps() == [1] and store.verify().ok
+
+
+def test_a_non_blocking_commit_keeps_its_files_as_they_were_when_submitted(tmp_path):
+    # The Trainer's save_total_limit may delete a checkpoint folder while its commit still runs.
+    import shutil
+
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text('{"global_step": 1}')
+    handle = store.commit(engine, step=1, files=folder, blocking=False)
+    shutil.rmtree(folder)
+    handle.result()
+    out = store.materialize(1, tmp_path / "out")
+    assert (out / "trainer_state.json").read_text() == '{"global_step": 1}'
+    with pytest.raises(ckptstore.BadInputError, match="not a file or directory"):
+        store.commit(engine, step=2, files=folder, blocking=False)  # refused at once, not later

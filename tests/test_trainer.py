@@ -21,7 +21,7 @@ class Losses(transformers.TrainerCallback):
             self.losses[state.global_step] = logs["loss"]
 
 
-def train(out, stage, resume=None, callbacks=(), max_steps=4):
+def train(out, stage, resume=None, callbacks=(), max_steps=4, **arguments):
     """A tiny Llama (attention dropout on) under the Trainer with DeepSpeed on CPU (bf16, the
     Trainer's own LR schedule), saving every 2 steps; returns the logged loss of each step."""
     model = build_model("llama", seed=0, num_layers=2, hidden=32, vocab=128)
@@ -35,7 +35,7 @@ def train(out, stage, resume=None, callbacks=(), max_steps=4):
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, max_steps=max_steps, save_steps=2, logging_steps=1,
         deepspeed=deepspeed, bf16=True, use_cpu=True, report_to=[], seed=0, learning_rate=1e-2,
-        lr_scheduler_type="linear", warmup_steps=1, dataloader_num_workers=0,
+        lr_scheduler_type="linear", warmup_steps=1, dataloader_num_workers=0, **arguments,
     )  # fmt: skip
     data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(16, batch=1)]
     losses = Losses()
@@ -82,3 +82,15 @@ def test_a_strategy_saves_half_the_blocks_at_alternate_saves(tmp_path):
     assert {s: loss for s, loss in resumed.items() if s > 2} == {
         s: loss for s, loss in reference.items() if s > 2
     }
+
+
+def test_non_blocking_commits_survive_the_trainer_deleting_old_checkpoints(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    own = train(tmp_path / "own", 2, max_steps=6)
+    ours = train(tmp_path / "run", 2, callbacks=[CkptStoreCallback(store, blocking=False)], max_steps=6,
+                 save_total_limit=1)  # fmt: skip
+    assert ours == own
+    assert store.steps() == [2, 4, 6] and [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == [
+        "checkpoint-6"
+    ]
+    assert {"trainer_state.json", "rng_state.pth"} <= {row.path for row in store.files(2)}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .. import auxfiles, strategies
@@ -60,7 +59,7 @@ class _RankCommit:
         self.objects, self.catalog, self.step, self.background = objects, catalog, step, background
         self.rank_zero = ranks.world()[0] == 0
         self.snapshot: Snapshot | None = None
-        self.file_entries: list[tuple[str, Path]] | None = None
+        self.file_entries: auxfiles.Entries | None = None
         self.plan: CommitPlan | None = None
         self.samples: dict[str, bytes] = {}
 
@@ -183,6 +182,10 @@ def submit_commit(
     """
     queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
     check_new_step(catalog, step)
+    if options.get("files") is not None:
+        # Read now: by the time the commit runs, the files may have changed or gone (the
+        # Trainer's save_total_limit deletes old checkpoint folders).
+        options["files"] = auxfiles.read(options["files"])
     ranks.use_commit_group()  # background collectives must not mix with training's
     snapshot = take_snapshot()
     return queue.submit_snapshot(
