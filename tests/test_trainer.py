@@ -64,6 +64,11 @@ def test_a_trainer_resumes_from_a_materialized_step_as_from_its_own_checkpoint(t
     out = store.materialize(2, tmp_path / "elsewhere" / "checkpoint-2")
     resumed = train(tmp_path / "resumed", stage, resume=out)
     assert {s: loss for s, loss in resumed.items() if s > 2} == after_2
+    # Or straight from the run's own checkpoint-2, which names the step in the store.
+    again = train(
+        tmp_path / "again", stage, resume=checkpoint, callbacks=[CkptStoreCallback(tmp_path / "store2")]
+    )
+    assert {s: loss for s, loss in again.items() if s > 2} == after_2
 
 
 def blocks_by_source(store, step):

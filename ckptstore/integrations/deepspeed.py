@@ -18,6 +18,7 @@ loads as before.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -127,11 +128,7 @@ def attach(
     original_load = engine.load_checkpoint
 
     def load_checkpoint(load_dir, tag=None, **options):
-        folder_tag = tag if tag is not None else _latest(load_dir)
-        marker = Path(load_dir) / str(folder_tag) / MARKER if folder_tag is not None else None
-        if marker is None or not marker.is_file():
-            return original_load(load_dir, tag, **options)
-        return _load_from_store(engine, store, original_load, marker, str(folder_tag), options)
+        return _load(engine, store, original_load, load_dir, tag, options)
 
     engine._ckptstore_attached = (engine.checkpoint_engine, original_load)
     engine.checkpoint_engine = checkpoint_engine
@@ -152,19 +149,51 @@ def detach(engine: Any) -> None:
     engine._ckptstore_attached = None
 
 
+def resume_from_markers() -> None:
+    """Let every DeepSpeed engine, attached or not, load a folder that names a ckptstore step
+    (``<tag>/ckptstore.json``) by materializing that step from the store it names.
+
+    For frameworks that load a checkpoint before anything could attach the engine (the Hugging
+    Face Trainer resuming from ``checkpoint-N/``). Other folders load exactly as before.
+    Idempotent.
+    """
+    from deepspeed import DeepSpeedEngine
+
+    original = DeepSpeedEngine.load_checkpoint
+    if getattr(original, "_ckptstore_markers", False):
+        return
+
+    def load_checkpoint(self, load_dir, tag=None, **options):
+        return _load(self, None, functools.partial(original, self), load_dir, tag, options)
+
+    load_checkpoint._ckptstore_markers = True
+    functools.update_wrapper(load_checkpoint, original)
+    DeepSpeedEngine.load_checkpoint = load_checkpoint
+
+
+def _load(engine: Any, store: Store | None, original_load, load_dir, tag, options: dict):
+    """``original_load`` of ``load_dir``, or of the step its tag folder names, materialized."""
+    folder_tag = tag if tag is not None else _latest(load_dir)
+    marker = Path(load_dir) / str(folder_tag) / MARKER if folder_tag is not None else None
+    if marker is None or not marker.is_file():
+        return original_load(load_dir, tag, **options)
+    return _load_from_store(engine, store, original_load, marker, str(folder_tag), options)
+
+
 def _latest(load_dir) -> str | None:
     latest = Path(load_dir) / "latest"
     return latest.read_text().strip() if latest.is_file() else None
 
 
-def _load_from_store(engine: Any, store: Store, original_load, marker: Path, tag: str, options: dict):
+def _load_from_store(engine: Any, store: Store | None, original_load, marker: Path, tag: str, options: dict):
     try:
         named = json.loads(marker.read_text())
         step, uri = int(named["step"]), str(named["store"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptError(f"{marker} does not name a ckptstore step ({exc!r})") from None
-    store.wait()  # a non-blocking commit in flight may be the step asked for
-    source = store if uri == store.objects.uri else open_store(uri, create=False)
+    if store is not None:
+        store.wait()  # a non-blocking commit in flight may be the step asked for
+    source = store if store is not None and uri == store.objects.uri else open_store(uri, create=False)
     with tempfile.TemporaryDirectory(prefix="ckptstore-load-") as scratch:
         # Each rank materializes on its own: no directory has to be shared between machines.
         out = source.materialize(step, Path(scratch) / "checkpoint", world_size=engine.dp_world_size, tag=tag)

@@ -8,9 +8,9 @@ only names the step; at ``on_save``, once the Trainer's files exist, every rank 
 engine's state with its own files of that step. The model weights the Trainer may write on
 its own (``model.safetensors``) are left where it wrote them and not stored.
 
-A resume either goes through the store (the Trainer's ``checkpoint-N/`` names the step and
-the attached engine restores it) or from ``ckptstore materialize --step N out/checkpoint-N``
-on any machine, at any world size.
+A resume either goes through the store (the Trainer's ``checkpoint-N/`` names the step, and
+DeepSpeed engines follow that name while a callback exists: ``resume_from_markers``) or
+from ``ckptstore materialize --step N out/checkpoint-N`` on any machine, at any world size.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..commit import ranks
 from ..errors import BadInputError
 from ..opening import open as open_store
 from ..store import Store
-from .deepspeed import MARKER, StoreCheckpointEngine, attach
+from .deepspeed import MARKER, StoreCheckpointEngine, attach, resume_from_markers
 
 # Files of checkpoint-N that are not the Trainer's state: DeepSpeed's, and model weights.
 _NOT_KEPT = re.compile(r"(latest|zero_to_fp32\.py|zero_to_torch\.py|.*\.safetensors|pytorch_model.*\.bin"
@@ -51,6 +51,9 @@ class CkptStoreCallback(TrainerCallback):
         self.store = store
         self.layers, self.blocking = layers, blocking
         self.checkpoint_engine: StoreCheckpointEngine | None = None
+        # The Trainer resumes (deepspeed_load_checkpoint) before any callback event, so the
+        # engine cannot be attached yet: let it follow the folder's ckptstore.json on its own.
+        resume_from_markers()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
         if self.checkpoint_engine is not None:
