@@ -259,7 +259,7 @@ def attached(root: Path) -> dict:
     from ckptstore.integrations.deepspeed import attach
 
     seen = {}
-    for stage in (1, 3):
+    for stage in (0, 1, 2, 3):
         store = ckptstore.open(root / f"store{stage}")
         engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=2)
         train(engine, DATA[:3])

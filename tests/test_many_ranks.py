@@ -72,8 +72,9 @@ def test_each_rank_keeps_its_own_files_with_the_step(tmp_path):
     assert (out / "trainer_state.json").read_text() == '{"global_step": 1}'
 
 
-def test_an_attached_store_takes_save_and_load_checkpoint_on_two_ranks(tmp_path):
+def test_an_attached_store_takes_save_and_load_checkpoint_on_two_ranks_at_zero_0_to_3(tmp_path):
     for observed in torchrun("attach", tmp_path):
+        assert set(observed) == {"zero0", "zero1", "zero2", "zero3"}
         for config, run in observed.items():
             assert run["steps"] == [3] and run["pt_files"] == 0, config
             assert run["resumed"] == run["reference"], config
