@@ -99,3 +99,23 @@ def test_non_blocking_commits_survive_the_trainer_deleting_old_checkpoints(tmp_p
         "checkpoint-6"
     ]
     assert {"trainer_state.json", "rng_state.pth"} <= {row.path for row in store.files(2)}
+
+
+def test_accelerate_save_state_and_load_state_go_through_an_attached_store(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("accelerate_worker.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT",)}  # each job its own port
+
+    def job(mode):
+        done = subprocess.run([sys.executable, str(worker), mode, str(tmp_path)], capture_output=True, text=True,
+                              env=env, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert job("save") == {"steps": [3], "pt": 0}
+    assert job("load-store")["losses"] == job("load-own")["losses"]
