@@ -20,19 +20,20 @@ from ..layers import layer_of
 from ..model import (
     BlobRow,
     FileRow,
-    LayerPacks,
     LayerRow,
-    PackRef,
     StepRecord,
     StepRow,
     TensorRow,
     group_by_source,
 )  # fmt: skip
 from . import database
+from .packs import LayerPackQueries
 
 
-class Catalog:
-    """Access to one catalog database file (created with the current schema when missing)."""
+class Catalog(LayerPackQueries):
+    """Access to one catalog database file (created with the current schema when missing).
+
+    The queries of format-2 pack indexes are in ``packs.LayerPackQueries``."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -133,46 +134,6 @@ class Catalog:
         rows = self.db.execute(sql, [step]).fetchall()
         wanted = None if layers is None else set(layers)
         return [TensorRow(*row) for row in rows if wanted is None or row[1] in wanted]
-
-    def layer_packs(self, step: int, layers: Iterable[str] | None = None) -> list[LayerPacks]:
-        """The pack indexes of layers that ``step`` itself saved in format 2 (optionally only
-        ``layers``), in no particular order."""
-        rows = self.db.execute("SELECT layer, packs FROM layer_packs WHERE step = ?", [step]).fetchall()
-        wanted = None if layers is None else set(layers)
-        return [
-            layerpacks.decode(data, step, layer) for layer, data in rows if wanted is None or layer in wanted
-        ]
-
-    def _used_layer_packs(self, steps: Iterable[int] | None) -> Iterable[tuple[int, LayerPacks]]:
-        """(using step, pack index) for every format-2 layer the given steps (all: None) use."""
-        self.load(None if steps is None else list(steps))
-        sql = """
-            SELECT l.step, p.step, p.layer, p.packs
-            FROM layers l JOIN layer_packs p ON p.step = l.source_step AND p.layer = l.layer
-        """
-        params = []
-        if steps is not None:
-            sql += " WHERE l.step IN (SELECT value FROM json_each(?))"
-            params.append(json.dumps(list(steps)))
-        decoded: dict[tuple[int, str], LayerPacks] = {}
-        for step, source, layer, data in self.db.execute(sql + " ORDER BY l.step", params):
-            if (source, layer) not in decoded:
-                decoded[(source, layer)] = layerpacks.decode(data, source, layer)
-            yield step, decoded[(source, layer)]
-
-    def packs_of_steps(self, steps: Iterable[int]) -> set[str]:
-        """Every pack the given steps need, inherited layers included."""
-        return {ref.key for _, index in self._used_layer_packs(list(steps)) for ref in index.packs}
-
-    def referenced_packs(self) -> dict[str, tuple[PackRef, list[tuple[int, str, str, str]]]]:
-        """Every pack a committed step uses -> (its record, every (step, layer, name, kind) user),
-        where ``name`` says whose pack it is and ``kind`` is ``pack``."""
-        users: dict[str, tuple[PackRef, list[tuple[int, str, str, str]]]] = {}
-        for step, index in self._used_layer_packs(None):
-            for ref in index.packs:
-                entry = users.setdefault(ref.key, (ref, []))
-                entry[1].append((step, index.layer, f"rank {ref.rank}'s tensors", "pack"))
-        return users
 
     def blob_sizes(self, keys: Iterable[str]) -> dict[str, BlobRow]:
         """Recorded sizes of the given blobs (unknown keys are left out)."""

@@ -45,12 +45,12 @@ def build(
     for index, (_, entries) in enumerate(packs):
         for name, kind, dtype, start, numel in entries:
             rows.append((tensors.setdefault((name, kind, dtype), len(tensors)), index, start, numel))
-    order = sorted(range(len(tensors)), key=lambda t: list(tensors)[t][:2])
+    names = list(tensors)
+    order = sorted(range(len(names)), key=lambda t: names[t][:2])
     renumber = {old: new for new, old in enumerate(order)}
     fragments = np.array([(renumber[t], p, s, n) for t, p, s, n in rows], dtype=np.int64).reshape(-1, 4)
     if len(fragments):
         fragments = fragments[np.lexsort((fragments[:, START], fragments[:, TENSOR]))]
-    names = list(tensors)
     return LayerPacks(step, layer, [ref for ref, _ in packs], [names[t] for t in order], fragments)
 
 
