@@ -62,14 +62,45 @@ class GcReport:
         }
 
 
+@dataclass(frozen=True)
+class KeepBest:
+    """A retention rule: keep the ``count`` best steps by metric ``name`` (the lowest values
+    for ``mode`` "min", the highest for "max"), as recorded by ``commit(metrics=...)``."""
+
+    name: str
+    mode: str
+    count: int = 1
+
+    @classmethod
+    def parse(cls, rule: str | KeepBest | tuple) -> KeepBest:
+        """A rule from ``"NAME:min|max[:COUNT]"`` (``eval_loss:min``, ``accuracy:max:3``), a
+        tuple of the same, or a KeepBest. BadInputError for anything else."""
+        if isinstance(rule, KeepBest):
+            return rule
+        parts = list(rule) if isinstance(rule, tuple | list) else str(rule).rsplit(":", 2)
+        if isinstance(rule, str) and len(parts) == 3 and parts[1] not in ("min", "max"):
+            parts = rule.rsplit(":", 1)  # the name itself holds a colon
+        try:
+            name, mode, *count = parts
+            count = int(count[0]) if count else 1
+        except (ValueError, TypeError):
+            name, mode, count = "", "", 0
+        if not isinstance(name, str) or not name or mode not in ("min", "max") or count < 1 or len(parts) > 3:
+            raise BadInputError(f"keep-best rule {rule!r} is not NAME:min|max[:COUNT] (e.g. eval_loss:min)")
+        return cls(name, mode, count)
+
+
 def steps_to_keep(
     steps: list[int],
     *,
     keep_last: int | None = None,
     keep_every: int | None = None,
     keep_steps: Iterable[int] = (),
+    best: Iterable[int] | None = None,
 ) -> list[int]:
-    """The steps the retention rules keep; with no rule at all, every step is kept."""
+    """The steps the retention rules keep; with no rule at all, every step is kept.
+
+    ``best``: the steps keep-best rules chose (None: no such rule)."""
     keep_steps = set(keep_steps)
     if keep_last is not None and keep_last < 0:
         raise BadInputError(f"--keep-last must be >= 0, not {keep_last}")
@@ -78,9 +109,9 @@ def steps_to_keep(
     unknown = sorted(keep_steps - set(steps))
     if unknown:
         raise BadInputError(f"--keep-step names steps that do not exist: {', '.join(map(str, unknown))}")
-    if keep_last is None and keep_every is None and not keep_steps:
+    if keep_last is None and keep_every is None and not keep_steps and best is None:
         return list(steps)
-    kept = set(keep_steps)
+    kept = set(keep_steps) | set(best or ())
     if keep_last:
         kept.update(steps[-keep_last:])
     if keep_every:
@@ -104,6 +135,7 @@ def collect(
     keep_last: int | None = None,
     keep_every: int | None = None,
     keep_steps: Iterable[int] = (),
+    keep_best: Iterable[KeepBest | str] = (),
     drop_steps: Iterable[int] = (),
     grace: float = 3600.0,
     dry_run: bool = False,
@@ -112,13 +144,22 @@ def collect(
 ) -> GcReport:
     """Apply retention, then sweep unreferenced blobs older than ``grace`` seconds.
 
+    ``keep_best`` rules (``KeepBest`` or ``"eval_loss:min"``) keep the best steps by a metric;
+    naming a metric no step recorded is a BadInputError (a typo would otherwise keep nothing).
     ``drop_steps`` drops those steps in addition to what retention drops. ``now`` replaces
     the clock (tests). Raises BadInputError if every step would go without ``allow_empty``,
     CorruptError if a kept step already misses a blob (nothing is changed then).
     """
+    rules = [KeepBest.parse(rule) for rule in keep_best]
     with objects.lock(exclusive=True):
         steps = catalog.steps()
-        kept = steps_to_keep(steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps)
+        kept = steps_to_keep(
+            steps,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_steps=keep_steps,
+            best=_best_steps(catalog, rules),
+        )
         missing = sorted(set(drop_steps) - set(steps))
         if missing:
             raise BadInputError(f"cannot drop steps that do not exist: {', '.join(map(str, missing))}")
@@ -150,6 +191,24 @@ def collect(
         _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")
         catalog.forget_blobs(doomed.gone_keys)
         return report
+
+
+def _best_steps(catalog: Catalog, rules: list[KeepBest]) -> list[int] | None:
+    """The steps keep-best ``rules`` keep (None with no rule)."""
+    if not rules:
+        return None
+    known = catalog.metric_names()
+    best = []
+    for rule in rules:
+        if rule.name not in known:
+            hint = (
+                f"recorded: {', '.join(known)}"
+                if known
+                else "no step has recorded metrics (commit(metrics=...))"
+            )
+            raise BadInputError(f"--keep-best {rule.name}: no step recorded a metric of that name; {hint}")
+        best += catalog.best_steps(rule.name, rule.mode, rule.count)
+    return best
 
 
 def _delete(objects: ObjectStore, names: list[str], unit: str) -> None:

@@ -133,6 +133,8 @@ class StepRow:
     layers_total: int
     bytes_added: int
     blobs_added: int
+    # name -> value recorded with the step (commit(metrics=...)); None where it was not finite
+    metrics: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,8 @@ class StepRecord:
     # (blobs, bytes) the commit added to the store, as the committing machine counted them;
     # None in manifests written before it was recorded.
     added: tuple[int, int] | None = None
+    # name -> value (commit(metrics=...)); None for a value that was not finite
+    metrics: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def layers_saved(self) -> list[str]:

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from . import auxfiles, strategies
 from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
 from .commit.step import CommitReport, commit_step, submit_commit
 from .errors import BadInputError, require_int
-from .gc import GcReport, collect, grace_seconds
+from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
+from .export.folder import export as export_folder
+from .export.weights import state_dict
+from .gc import GcReport, KeepBest, collect, grace_seconds
 from .materialize import compose
 from .materialize.directory import materialize
 from .model import FileRow, LayerRow, StepRow
@@ -95,6 +100,7 @@ class Store:
         client_state: dict | None = None,
         files: auxfiles.FileSpec | None = None,
         *,
+        metrics: Mapping[str, float] | None = None,
         blocking: bool = True,
     ) -> CommitReport | CommitHandle:
         """Store the engine's checkpoint state as ``step``. Collective: every rank calls it.
@@ -127,7 +133,7 @@ class Store:
         if self._closed:
             raise BadInputError("this store was closed; open it again")
         step = _step(step)
-        options = dict(layers=layers, files=files, manifest_commits=self.manifest_commits)
+        options = dict(layers=layers, files=files, metrics=metrics, manifest_commits=self.manifest_commits)
         take_snapshot = functools.partial(extract, engine, client_state)
         if blocking:
             self.wait()
@@ -169,6 +175,58 @@ class Store:
             self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
         )
 
+    def export(
+        self,
+        step: int | None = None,
+        out: str | os.PathLike | None = None,
+        *,
+        spec: compose.Spec | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        force: bool = False,
+    ) -> ExportReport:
+        """Write ``step``'s model weights as a Hugging Face model folder at ``out``.
+
+        ``out`` gets ``model.safetensors`` (or, past ``max_shard_size`` bytes such as
+        ``"2GB"``, shards with ``model.safetensors.index.json``) as ``save_pretrained`` writes
+        it, so ``from_pretrained(out)`` loads it, plus the model-folder files kept with the
+        step (``config.json``, ``generation_config.json``, tokenizer files). The weights are
+        the step's fp32 masters (frozen weights and buffers as stored) cast to ``dtype``
+        (float32, bfloat16 or float16; default the training dtype); tied weights are written
+        once. ``spec`` (a compose spec) instead of a step takes each layer from its step.
+        Memory stays a few tensors; ``out`` appears only once complete, and an existing
+        non-empty ``out`` is refused unless ``force``. Raises NotFoundError (unknown step,
+        missing pack), BadInputError (bad dtype, size or spec), CorruptError, ConflictError.
+        """
+        if out is None:
+            raise BadInputError("export needs an output directory")
+        return export_folder(
+            self.objects,
+            self.catalog,
+            step,
+            out,
+            spec=spec,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            force=force,
+        )
+
+    def state_dict(
+        self,
+        step: int | None = None,
+        dtype: str | torch.dtype | None = torch.float32,
+        *,
+        spec: compose.Spec | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The consolidated weights of ``step`` in memory: ``{name: tensor}`` in the module's order.
+
+        What DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` returns for the same
+        state, without a checkpoint directory: fp32 masters of trainable parameters, frozen
+        weights and persistent buffers, and tied names sharing one tensor. Floating tensors
+        are cast to ``dtype`` (None keeps them as stored). Raises as ``export``.
+        """
+        return state_dict(self.objects, self.catalog, step, dtype, spec)
+
     def verify(self, *, deep: bool = True) -> VerifyReport:
         """Check every blob and auxiliary file the committed steps reference, and the catalog.
 
@@ -187,6 +245,7 @@ class Store:
         keep_last: int | None = None,
         keep_every: int | None = None,
         keep_steps: Iterable[int] = (),
+        keep_best: Iterable[KeepBest | str] = (),
         grace: timedelta | float | None = None,
         dry_run: bool = False,
         allow_empty: bool = False,
@@ -194,13 +253,15 @@ class Store:
     ) -> GcReport:
         """Drop the steps the retention rules do not keep, then delete blobs and files no kept step needs.
 
+        ``keep_best`` keeps the best steps by a metric recorded with ``commit(metrics=...)``:
+        ``["eval_loss:min", "accuracy:max:3"]`` (``NAME:min|max[:COUNT]``, COUNT default 1).
         Blobs younger than ``grace`` (default ``CKPTSTORE_GC_GRACE`` seconds, 1 hour) are never
         deleted. With no rule, no step is dropped and only unreferenced blobs go. ``dry_run``
         changes nothing and reports what a real run would free. Safe to run while commits run.
         """
         return collect(
             self.objects, self.catalog, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
-            grace=grace_seconds(grace), dry_run=dry_run, allow_empty=allow_empty, now=now,
+            keep_best=keep_best, grace=grace_seconds(grace), dry_run=dry_run, allow_empty=allow_empty, now=now,
         )  # fmt: skip
 
     def delete(self, step: int, *, dry_run: bool = False) -> GcReport:

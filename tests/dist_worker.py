@@ -331,6 +331,24 @@ def s3_machines(root: Path) -> dict:
             "resumed": train(resumed, DATA[3:])}  # fmt: skip
 
 
+def export(root: Path) -> dict:
+    """Commit step 2 of bf16 Llama and GPT-2 engines at ZeRO 2 and 3, and save it with DeepSpeed too."""
+    import ckptstore
+
+    for model in ("llama", "gpt2"):
+        for stage in (2, 3):
+            where = root / f"{model}-zero{stage}"
+            engine = build_engine(model, zero_stage=stage, dtype="bf16", num_layers=2)
+            train(engine, DATA[:2])
+            if rank() == 0:
+                engine.module.config.save_pretrained(where / "config")
+            barrier()
+            with ckptstore.open(where / "store") as store:
+                store.commit(engine, 2, files=[where / "config" / "config.json"])
+            engine.save_checkpoint(str(where / "deepspeed"))
+    return {}
+
+
 def main() -> None:
     setup_single_process_env()
     import logging
@@ -342,7 +360,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking}  # fmt: skip
+             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking, "export": export}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

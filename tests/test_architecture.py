@@ -18,6 +18,7 @@ LAYERS = [
     {"format"},
     {"catalog", "deepspeed", "strategies", "auxfiles"},
     {"commit", "materialize", "verify", "gc"},
+    {"export"},
     {"store"},
     {"opening"},
     {"cli", "__init__", "integrations"},

@@ -21,7 +21,7 @@ class Losses(transformers.TrainerCallback):
             self.losses[state.global_step] = logs["loss"]
 
 
-def train(out, stage, resume=None, callbacks=(), max_steps=4, **arguments):
+def train(out, stage, resume=None, callbacks=(), max_steps=4, evaluate=False, **arguments):
     """A tiny Llama (attention dropout on) under the Trainer with DeepSpeed on CPU (bf16, the
     Trainer's own LR schedule), saving every 2 steps; returns the logged loss of each step."""
     model = build_model("llama", seed=0, num_layers=2, hidden=32, vocab=128)
@@ -39,7 +39,10 @@ def train(out, stage, resume=None, callbacks=(), max_steps=4, **arguments):
     )  # fmt: skip
     data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(16, batch=1)]
     losses = Losses()
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[losses, *callbacks])
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data[:4] if evaluate else None,
+        callbacks=[losses, *callbacks],
+    )  # fmt: skip
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return losses.losses
 
@@ -119,3 +122,20 @@ def test_accelerate_save_state_and_load_state_go_through_an_attached_store(tmp_p
 
     assert job("save") == {"steps": [3], "pt": 0}
     assert job("load-store")["losses"] == job("load-own")["losses"]
+
+
+def test_the_trainers_evaluation_metrics_are_recorded_with_each_save(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    train(
+        tmp_path / "run",
+        2,
+        callbacks=[CkptStoreCallback(store)],
+        evaluate=True,
+        eval_strategy="steps",
+        eval_steps=2,
+    )
+    rows = store.log()
+    assert [row.step for row in rows] == [2, 4]
+    assert all(0 < row.metrics["eval_loss"] < 10 for row in rows)
+    assert rows[0].metrics["eval_loss"] != rows[1].metrics["eval_loss"]
+    assert store.gc(keep_best=["eval_loss:min"], dry_run=True).steps_kept in ([2], [4])

@@ -27,10 +27,11 @@ from ..model import (
     group_by_source,
 )  # fmt: skip
 from . import database
+from .metrics import MetricQueries
 from .packs import LayerPackQueries
 
 
-class Catalog(LayerPackQueries):
+class Catalog(LayerPackQueries, MetricQueries):
     """Access to one catalog database file (created with the current schema when missing).
 
     The queries of format-2 pack indexes are in ``packs.LayerPackQueries``."""
@@ -208,7 +209,10 @@ class Catalog(LayerPackQueries):
                    (SELECT count(*) FROM layers l WHERE l.step = s.step), s.bytes_added, s.blobs_added
             FROM steps s ORDER BY s.step
         """
-        return [StepRow(*row) for row in self.db.execute(sql)]
+        metrics: dict[int, dict[str, float | None]] = {}
+        for step, name, value in self.db.execute("SELECT step, name, value FROM metrics ORDER BY step, name"):
+            metrics.setdefault(step, {})[name] = value
+        return [StepRow(*row, metrics=metrics.get(row[0], {})) for row in self.db.execute(sql)]
 
     def layer_rows(self, step: int) -> list[LayerRow]:
         """Every layer of ``step`` in model order: source step, stored bytes, update statistics."""
@@ -337,6 +341,9 @@ class Catalog(LayerPackQueries):
             self.db["files"].insert_all(
                 {"step": step, "path": f.path, "key": f.key, "size": f.size} for f in record.files
             )
+            self.db["metrics"].insert_all(
+                {"step": step, "name": name, "value": value} for name, value in record.metrics.items()
+            )
         return True
 
     def drop_steps(self, steps: Iterable[int]) -> None:
@@ -358,6 +365,9 @@ class Catalog(LayerPackQueries):
                     [steps_json],
                 )
             self.db.execute("DELETE FROM files WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
+            self.db.execute(
+                "DELETE FROM metrics WHERE step IN (SELECT value FROM json_each(?))", [steps_json]
+            )
             self.db.execute(
                 "DELETE FROM listed_steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json]
             )

@@ -10,14 +10,34 @@ catalog only indexes it.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from datetime import datetime, timezone
 
 from ..catalog import Catalog
-from ..errors import ConflictError
+from ..errors import BadInputError, ConflictError
 from ..format import manifest
 from ..format.layout import manifest_name
 from ..model import FileRow, LayerPacks, StepRecord, Updates, layers_by_source
 from ..objects import ObjectStore
+
+
+def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float | None]:
+    """``commit(metrics=...)`` as recorded: name -> float, a value that is not finite (a NaN
+    loss) as None. BadInputError for anything but a mapping of non-empty names to real numbers."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise BadInputError(f"metrics= takes a mapping of names to numbers, not {type(metrics).__name__}")
+    checked: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise BadInputError(f"metrics=: {name!r} is not a metric name (a non-empty string)")
+        if isinstance(value, bool) or not isinstance(value, int | float) and not hasattr(value, "__float__"):
+            raise BadInputError(f"metrics=: {name} is {value!r}, not a number")
+        value = float(value)
+        checked[name] = value if math.isfinite(value) else None
+    return dict(sorted(checked.items()))
 
 
 def build_record(
@@ -30,6 +50,7 @@ def build_record(
     updates: Updates,
     files: list[FileRow],
     created: dict[str, int],
+    metrics: dict[str, float | None] | None = None,
 ) -> StepRecord:
     """The step's record: the pack indexes of the layers it saved (``packs``) plus, from the
     catalog, what every layer it inherits is stored as (pack indexes, or tensor rows and blob
@@ -54,6 +75,7 @@ def build_record(
         updates=updates,
         files=files,
         added=(len(created), sum(created.values())),
+        metrics=metrics or {},
     )
 
 

@@ -10,7 +10,7 @@ all of it: a concurrent gc (exclusive) runs wholly before or wholly after the co
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from . import ranks, stats
 from .background import CommitHandle, CommitQueue
 from .packs import StoredPacks, store_pieces
 from .plan import CommitPlan, check_new_step, plan_commit
-from .record import build_record, publish
+from .record import build_record, check_metrics, publish
 
 
 @dataclass
@@ -62,12 +62,14 @@ class _RankCommit:
         self.file_entries: auxfiles.Entries | None = None
         self.plan: CommitPlan | None = None
         self.samples: dict[str, bytes] = {}
+        self.metrics: dict[str, float | None] = {}
 
     def sample(
-        self, take_snapshot: Callable[[], Snapshot], files: auxfiles.FileSpec | None
+        self, take_snapshot: Callable[[], Snapshot], files: auxfiles.FileSpec | None, metrics
     ) -> stats.RankSamples:
-        """Phase 1: check the step, take this rank's snapshot and its share of the samples."""
+        """Phase 1: check the step and the metrics, take this rank's snapshot and its share of the samples."""
         check_new_step(self.catalog, self.step)
+        self.metrics = check_metrics(metrics)
         if self.rank_zero:
             config.upgrade(self.objects)
         self.file_entries = auxfiles.collect(files) if files is not None else None
@@ -115,6 +117,7 @@ def commit_step(
     *,
     layers: strategies.Selection = None,
     files: auxfiles.FileSpec | None = None,
+    metrics: Mapping[str, float] | None = None,
     manifest_commits: bool = False,
     background: bool = False,
 ) -> CommitReport:
@@ -122,13 +125,14 @@ def commit_step(
 
     Collective: every rank calls it, and an error on any rank raises on every rank with
     nothing recorded. ``layers`` chooses the saved layers (``commit.plan.plan_commit``);
-    ``files`` are kept with the step (None keeps the previous step's); ``manifest_commits``
+    ``files`` are kept with the step (None keeps the previous step's); ``metrics`` (rank 0's)
+    are recorded with it; ``manifest_commits``
     makes the manifest the commit point (S3 stores); ``background`` lowers the CPU priority.
     """
     what = f"commit of step {step}"
     own = _RankCommit(objects, catalog, step, background)
     with objects.lock(exclusive=False):
-        sampled = ranks.on_every_rank(what, lambda: own.sample(take_snapshot, files))
+        sampled = ranks.on_every_rank(what, lambda: own.sample(take_snapshot, files, metrics))
         shares = ranks.on_every_rank(what, lambda: own.store(sampled, layers))
         created = {key: size for share in shares for key, size in share.stored.created.items()}
         plan = own.plan
@@ -137,6 +141,7 @@ def commit_step(
             step_record = build_record(
                 catalog, step, shares[0].world_size, shares[0].description, plan.layer_sources,
                 _layer_indexes(step, plan.saved, shares), plan.updates, own.step_files(shares), created,
+                own.metrics,
             )  # fmt: skip
             publish(objects, catalog, step_record, manifest_commits=manifest_commits, samples=own.samples)
 

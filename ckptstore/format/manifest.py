@@ -31,8 +31,8 @@ _MAX_BYTES = 1 << 32  # what no manifest ckptstore writes decompresses to
 
 
 def _body(record: StepRecord) -> dict:
-    """The JSON fields both formats share. Update statistics, files and the counts of what the
-    commit added are encoded only when present (readers of older manifests ignore keys they lack)."""
+    """The JSON fields both formats share. Update statistics, files, the counts of what the
+    commit added and metrics are encoded only when present (readers of older manifests ignore keys they lack)."""
     body = {
         "step": record.step,
         "created_at": record.created_at,
@@ -49,6 +49,8 @@ def _body(record: StepRecord) -> dict:
         body["files"] = sorted([f.path, f.key, f.size] for f in record.files)
     if record.added is not None:
         body["added"] = list(record.added)
+    if record.metrics:
+        body["metrics"] = sorted([name, value] for name, value in record.metrics.items())
     return body
 
 
@@ -138,4 +140,7 @@ def _record(body: dict, indexes: bytes) -> StepRecord:
         files=[FileRow(str(p), str(k), int(n)) for p, k, n in body.get("files", [])],
         added=None if "added" not in body else (int(body["added"][0]), int(body["added"][1])),
         packs=packs,
+        metrics={
+            str(name): None if value is None else float(value) for name, value in body.get("metrics", [])
+        },
     )

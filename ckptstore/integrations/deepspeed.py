@@ -88,14 +88,15 @@ class StoreCheckpointEngine(CheckpointEngine):
         self._client_state = None
         return True
 
-    def commit_pending(self, step: int, client_state: dict | None, files) -> None:
-        """Commit the engine's state as ``step`` with ``files`` (collective)."""
+    def commit_pending(self, step: int, client_state: dict | None, files, metrics=None) -> None:
+        """Commit the engine's state as ``step`` with ``files`` and ``metrics`` (collective)."""
         self.store.commit(
             self.engine,
             step,
             layers=self.layers,
             client_state=client_state,
             files=files,
+            metrics=metrics,
             blocking=self.blocking,
         )
 

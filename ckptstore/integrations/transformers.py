@@ -41,7 +41,8 @@ class CkptStoreCallback(TrainerCallback):
 
     ``layers`` chooses the saved layers per commit (a list, a Strategy such as ``Parity()``,
     or None for all); ``blocking=False`` commits behind training. The step is the Trainer's
-    ``global_step``. Needs ``trainer.model_wrapped`` to be a DeepSpeed engine (``deepspeed=``
+    ``global_step``; the Trainer's latest evaluation metrics (``eval_loss``...), when it has
+    evaluated, are recorded with it (``gc --keep-best eval_loss:min``). Needs ``trainer.model_wrapped`` to be a DeepSpeed engine (``deepspeed=``
     in the TrainingArguments).
     """
 
@@ -54,6 +55,7 @@ class CkptStoreCallback(TrainerCallback):
         # The Trainer resumes (deepspeed_load_checkpoint) before any callback event, so the
         # engine cannot be attached yet: let it follow the folder's ckptstore.json on its own.
         resume_from_markers()
+        self.metrics: dict[str, float] = {}  # the Trainer's latest evaluation, recorded with the next save
 
     def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
         if self.checkpoint_engine is not None:
@@ -65,13 +67,22 @@ class CkptStoreCallback(TrainerCallback):
             engine, self.store, layers=self.layers, blocking=self.blocking, deferred=True
         )
 
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs) -> None:
+        numbers = {
+            k: v for k, v in (metrics or {}).items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        if numbers:
+            self.metrics = numbers
+
     def on_save(self, args, state, control, **kwargs) -> None:
         checkpoint_engine = self.checkpoint_engine
         if checkpoint_engine is None or checkpoint_engine.pending is None:
             return
         pending, checkpoint_engine.pending = checkpoint_engine.pending, None
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        checkpoint_engine.commit_pending(pending["step"], pending["client_state"], trainer_files(folder))
+        checkpoint_engine.commit_pending(
+            pending["step"], pending["client_state"], trainer_files(folder), metrics=self.metrics or None
+        )
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         if isinstance(self.store, Store):

@@ -43,6 +43,20 @@ class ComposePlan:
     sources: dict[str, int]
 
 
+def step_or_spec(
+    step: Any, spec: Spec | None, catalog: Catalog, verb: str
+) -> tuple[int, dict[str, int] | None]:
+    """What a reader was asked for: ``(step, None)``, or a spec's ``(state step, layer sources)``.
+
+    BadInputError if both or neither are given, or the step is not an integer >= 0."""
+    if spec is None:
+        return require_int(step, "a step", minimum=0), None
+    if step is not None:
+        raise BadInputError(f"{verb} takes a step or a compose spec, not both")
+    plan_ = plan(spec, catalog)
+    return plan_.state, plan_.sources
+
+
 def load(spec: Spec) -> Mapping[str, Any]:
     """The spec as a mapping: given as one, or read from a YAML file. Raises BadInputError."""
     if isinstance(spec, Mapping):

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 
 from .. import auxfiles
@@ -43,13 +44,7 @@ def materialize(
 
     if out is None:
         raise BadInputError("materialize needs an output directory")
-    sources = None
-    if spec is not None:
-        if step is not None:
-            raise BadInputError("materialize takes a step or a compose spec, not both")
-        plan = compose.plan(spec, catalog)
-        step, sources = plan.state, plan.sources
-    step = require_int(step, "a step", minimum=0)
+    step, sources = compose.step_or_spec(step, spec, catalog, "materialize")
     if world_size is not None:
         require_int(world_size, "the world size", minimum=1)
     description = json.loads(catalog.description(step))
@@ -92,8 +87,10 @@ def step_reader(
     step: int,
     description: dict,
     sources: dict[str, int] | None = None,
+    only: Collection[tuple[str, str]] | None = None,
 ) -> StepReader:
-    """A lazy reader of every tensor ``step`` needs (or the layers ``sources`` maps to steps)."""
+    """A lazy reader of every tensor ``step`` needs (or the layers ``sources`` maps to steps),
+    or of the ``(name, kind)`` tensors in ``only``."""
     sources = catalog.sources(step) if sources is None else sources
     packs = [
         index
@@ -112,7 +109,7 @@ def step_reader(
             f"the catalog has no tensors for layers {', '.join(sorted(missing_layers))} of step {step}"
         )
     sizes = catalog.blob_sizes(row.blob for row in rows)
-    return StepReader(objects, description["params"], rows, sizes, step, packs)
+    return StepReader(objects, description["params"], rows, sizes, step, packs, only)
 
 
 def swap_into_place(staging: Path, out: Path) -> None:

@@ -14,7 +14,7 @@ import contextlib
 import math
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 from functools import partial
 from typing import TypeVar
@@ -26,7 +26,7 @@ from .. import knobs
 from ..errors import CorruptError, NotFoundError, UnsupportedError
 from ..format import codec, pack
 from ..format.layout import blob_name, pack_name
-from ..model import FP32, NUMEL, PACK, START, BlobRow, LayerPacks, PackRef, TensorRow
+from ..model import FP32, NUMEL, PACK, START, TENSOR, BlobRow, LayerPacks, PackRef, TensorRow
 from ..objects import ObjectStore
 
 T = TypeVar("T")
@@ -103,6 +103,7 @@ class StepReader:
 
     ``packs`` are the pack indexes of every format-2 layer the step needs; ``rows`` the
     catalog's tensor rows of its format-1 layers, ``sizes`` the recorded sizes of their blobs.
+    ``only``, if given, limits it to those ``(name, kind)`` tensors (the others read as absent).
     Each stored tensor is expected to be read once (``__call__`` or ``fragments``); a second
     read fetches it again. Reads raise NotFoundError (pack or blob missing) or CorruptError
     (it fails verification), naming the object, the tensor and the step it was saved at.
@@ -116,6 +117,7 @@ class StepReader:
         sizes: dict[str, BlobRow],
         step: int,
         packs: Iterable[LayerPacks] = (),
+        only: Collection[tuple[str, str]] | None = None,
     ) -> None:
         self.params = params
         self.step = step
@@ -123,6 +125,9 @@ class StepReader:
         self._sizes = sizes
         self.rows: dict[tuple[str, str], list[TensorRow]] = defaultdict(list)
         self._where: dict[str, TensorRow] = {}
+        if only is not None:
+            only = set(only)
+            rows = [row for row in rows if (row.name, row.kind) in only]
         for row in sorted(rows, key=lambda r: r.start):
             self.rows[(row.name, row.kind)].append(row)
             self._where.setdefault(row.blob, row)
@@ -134,11 +139,16 @@ class StepReader:
         self._pack_layer: dict[str, LayerPacks] = {}
         self._refs: dict[str, PackRef] = {}
         for index in packs:
-            for tensor, (dtype, fragments) in index.by_tensor().items():
-                self._packed[tensor] = (dtype, fragments, index)
-            for ref, count in zip(
-                index.packs, np.bincount(index.fragments[:, PACK], minlength=len(index.packs)), strict=True
-            ):
+            read = [
+                t for t, (name, kind, _) in enumerate(index.tensors) if only is None or (name, kind) in only
+            ]
+            by_tensor = index.by_tensor()
+            for t in read:
+                name, kind, _ = index.tensors[t]
+                self._packed[(name, kind)] = (*by_tensor[(name, kind)], index)
+            fragments = index.fragments[np.isin(index.fragments[:, TENSOR], read)]
+            counts = np.bincount(fragments[:, PACK], minlength=len(index.packs))
+            for ref, count in zip(index.packs, counts, strict=True):
                 pack_uses[ref.key] += int(count)
                 self._pack_layer[ref.key] = index
                 self._refs[ref.key] = ref

@@ -1,0 +1,44 @@
+"""The ``ckptstore`` command line: parsing and printing over the library, nothing more.
+
+Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input; 3 not found
+(step, store, blob); 4 corrupt data; 5 conflict (e.g. non-empty output directory);
+6 unsupported engine or store format; 7 storage failure; 70 internal error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..errors import CkptStoreError
+from . import checkpoints, checks, retention, steps  # noqa: F401  (each registers its commands)
+from .base import EXIT_INTERNAL, cli
+
+__all__ = ["cli", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI, turning ckptstore errors into one line and an exit code."""
+    try:
+        cli.main(args=argv, prog_name="ckptstore", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except CkptStoreError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # a bug: one line, and the traceback only on request
+        if os.environ.get("CKPTSTORE_DEBUG"):
+            raise
+        click.echo(
+            f"internal error: {type(exc).__name__}: {exc} (set CKPTSTORE_DEBUG=1 for a traceback)", err=True
+        )
+        sys.exit(EXIT_INTERNAL)

@@ -1,0 +1,5 @@
+"""``python -m ckptstore.cli``."""
+
+from . import main
+
+main()

@@ -1,0 +1,99 @@
+"""``verify`` and ``catalog rebuild``: checking the store and rebuilding its index."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+import click
+
+from .. import opening
+from .base import EXIT_PROBLEMS, cli, human, open_store, store_option, uri_of
+
+
+@cli.command()
+@click.option("--fast", is_flag=True, help="Only check presence, size and header (no re-hash).")
+@click.option("--deep", is_flag=True, help="Decode and re-hash every blob (the default).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@store_option
+@click.pass_context
+def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as_json: bool) -> None:
+    """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
+
+    Exit code 0 when clean, 1 when problems were found. Unreferenced packs and blobs (orphans),
+    manifests of interrupted commits and stray objects (names under packs/, blobs/, files/ or
+    manifests/ that ckptstore does not write) are reported but are not problems.
+
+    Example: ckptstore --store runs/store verify
+    """
+    if fast and deep:
+        raise click.UsageError("--fast and --deep exclude each other")
+    with open_store(ctx) as store:
+        report = store.verify(deep=not fast)
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+    else:
+        for problem in [*report.problems, *report.file_problems]:
+            click.echo(f"problem: {problem.describe()}")
+        for problem in report.catalog_problems:
+            click.echo(f"problem: {problem}")
+        if report.orphans:
+            click.echo(f"info: {len(report.orphans)} blob(s) no step references (gc removes them)")
+        if report.stray_manifests:
+            click.echo(
+                f"info: manifests of uncommitted steps {report.stray_manifests} (left by interrupted commits)"
+            )
+        if report.stray_objects:
+            shown = ", ".join(report.stray_objects[:5]) + (", ..." if len(report.stray_objects) > 5 else "")
+            click.echo(
+                f"info: {len(report.stray_objects)} object(s) whose names ckptstore does not write: {shown} "
+                "(left alone by gc)"
+            )
+        mode = "re-hashed" if report.deep else "checked"
+        verdict = (
+            "clean"
+            if report.ok
+            else f"{len(report.problems) + len(report.file_problems) + len(report.catalog_problems)} problem(s)"
+        )
+        files = f" and {report.files_checked} auxiliary file(s)" if report.files_checked else ""
+        click.echo(
+            f"{report.blobs_checked} packs and blobs ({human(report.bytes_checked)}){files} {mode}: {verdict}"
+        )
+    if not report.ok:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@cli.group()
+def catalog() -> None:
+    """The catalog: the SQLite index of the steps in the store."""
+
+
+@catalog.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@store_option
+@click.pass_context
+def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
+    """Rebuild the catalog from the step manifests in the store.
+
+    For an S3 store that is the local index under $CKPTSTORE_CACHE: any machine rebuilds it
+    from the bucket alone. For a local store it is catalog.db, e.g. after it was lost or
+    corrupted. Steps whose manifest is unreadable or whose blobs are missing are left out
+    and reported (exit code 1). Run it while no other process uses the catalog.
+
+    Example: ckptstore --store s3://ckpts/llama-8b/run7 catalog rebuild
+    """
+    uri = uri_of(ctx)
+    report = opening.rebuild_catalog(uri)
+    if as_json:
+        click.echo(json.dumps(asdict(report)))
+    else:
+        for problem in report.corrupt:
+            click.echo(f"problem: unreadable manifest {problem}")
+        for step in report.incomplete:
+            click.echo(f"problem: step {step} left out: blobs it needs are missing")
+        steps = report.steps
+        listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]}, ... {steps[-1]}"
+        click.echo(f"rebuilt the catalog of {uri}: {len(steps)} step(s){': ' + listed if steps else ''}")
+    if report.corrupt or report.incomplete:
+        sys.exit(EXIT_PROBLEMS)

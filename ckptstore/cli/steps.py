@@ -1,0 +1,82 @@
+"""``log`` and ``show``: what the store holds, step by step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import click
+
+from .base import cli, human, open_store, store_option
+
+
+def _update(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+@cli.command()
+@click.option("--step", type=int, required=True, help="The committed step to describe.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per layer.")
+@store_option
+@click.pass_context
+def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) -> None:
+    """List the layers of step STEP: the step each comes from, its bytes, its update.
+
+    The update is the relative change of the layer's fp32 master weights since the step
+    that last saved it (||w - w_prev|| / ||w_prev||, estimated from a fixed sample of each
+    parameter), measured when STEP was committed; "-" where nothing could be compared.
+
+    Example: ckptstore --store runs/store show --step 400
+    """
+    with open_store(ctx) as store:
+        rows = store.show(step)
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(asdict(row)))
+        return
+    width = max(len("layer"), *(len(row.layer) for row in rows))
+    click.echo(f"{'layer':<{width}}  {'from step':>10}  {'bytes':>10}  {'update':>9}  {'since':>6}")
+    for row in rows:
+        since = "-" if row.update_since is None else str(row.update_since)
+        click.echo(
+            f"{row.layer:<{width}}  {row.source:>10}  {human(row.bytes):>10}  {_update(row.update):>9}  {since:>6}"
+        )
+    saved = sum(1 for row in rows if row.source == step)
+    total = human(sum(row.bytes for row in rows))
+    click.echo(f"{saved} of {len(rows)} layers saved at step {step}; {total} in all")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per step.")
+@store_option
+@click.pass_context
+def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
+    """List committed steps: when, how many layers each saved, bytes it added, metrics.
+
+    Example: ckptstore --store runs/store log
+    """
+    with open_store(ctx) as store:
+        rows = store.log()
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(asdict(row)))
+        return
+    if not rows:
+        click.echo("no steps committed yet")
+        return
+    with_metrics = any(row.metrics for row in rows)
+    click.echo(
+        f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'objects added':>13}  {'bytes added':>11}"
+        + ("  metrics" if with_metrics else "")
+    )
+    for row in rows:
+        saved = f"{row.layers_saved}/{row.layers_total}"
+        metrics = " ".join(f"{name}={_metric(value)}" for name, value in row.metrics.items())
+        click.echo(
+            f"{row.step:>10}  {row.created_at:<25} {saved:>12}  {row.blobs_added:>13}  {human(row.bytes_added):>11}"
+            + (f"  {metrics}" if metrics else "")
+        )
+
+
+def _metric(value: float | None) -> str:
+    return "nan" if value is None else f"{value:.6g}"

@@ -1,0 +1,167 @@
+"""Export: a Hugging Face model folder (safetensors weights and config files) for a step.
+
+Laid out as ``save_pretrained`` writes it: ``model.safetensors``, or past ``max_shard_size``
+shards ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``, split by
+huggingface_hub's own splitter; tied weights stored once under the name transformers keeps;
+file metadata ``{"format": "pt"}``. The weights stream: each tensor is read, cast and written
+at its offset by one of a few threads, so memory holds a few tensors, never a shard. The
+folder is built beside ``out`` and renamed into place, like a materialized checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from .. import auxfiles, knobs
+from ..catalog import Catalog
+from ..errors import BadInputError, ConflictError
+from ..materialize import compose
+from ..materialize.directory import swap_into_place
+from ..model import BUFFER
+from ..objects import ObjectStore
+from ..progress import progress_bar
+from .safetensors_file import SafetensorsFile, tensor_bytes
+from .weights import StepWeights, Weight, parse_dtype
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # save_pretrained's default in transformers 5
+
+# Files kept with a step that belong in a model folder (the Trainer keeps them in checkpoint-N/).
+MODEL_FOLDER_FILES = (
+    "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+    "vocab.*", "merges.txt", "spiece.model", "chat_template.*", "preprocessor_config.json", "processor_config.json",
+)  # fmt: skip
+
+
+@dataclass
+class ExportReport:
+    """What ``export`` wrote: the folder, its weight files, the files copied from the step."""
+
+    path: Path
+    step: int
+    dtype: str
+    tensors: int
+    bytes: int
+    weight_files: list[str]
+    copied_files: list[str] = field(default_factory=list)
+
+    @property
+    def has_config(self) -> bool:
+        """Whether the folder got a ``config.json`` (``from_pretrained`` needs one)."""
+        return "config.json" in self.copied_files
+
+
+def export(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int | None,
+    out: str | os.PathLike,
+    *,
+    spec: compose.Spec | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    force: bool = False,
+) -> ExportReport:
+    """Write ``step``'s weights (or a compose ``spec``'s) as a model folder at ``out``.
+
+    Contract as ``Store.export``; nothing appears at ``out`` unless everything was written.
+    """
+    weights = StepWeights(objects, catalog, step, spec)
+    dtype = parse_dtype(dtype) or weights.training_dtype
+    out = Path(out).absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    files = [row for row in catalog.files(weights.step) if _belongs_in_model_folder(row.path)]
+    auxfiles.check_rows(files)
+
+    # Buffers are small and their shapes are known only once read: read them first.
+    buffers = {w.name: weights.read(w, dtype) for w in weights.entries if w.kind == BUFFER}
+    layout = {
+        w.name: (tuple(buffers[w.name].shape), buffers[w.name].dtype)
+        if w.kind == BUFFER
+        else (w.shape, dtype)
+        for w in weights.entries
+    }
+    split = _split(layout, max_shard_size)
+    by_name = {w.name: w for w in weights.entries}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        staging.mkdir()
+        bar = progress_bar(range(len(weights.entries)), desc="export", unit="tensor")
+        for filename, names in split.filename_to_tensors.items():
+            shard = SafetensorsFile(staging / filename, {n: layout[n] for n in names}, {"format": "pt"})
+            try:
+                _write_shard(shard, [by_name[n] for n in names], weights, dtype, buffers, bar)
+            finally:
+                shard.close()
+        if split.is_sharded:
+            params = sum(math.prod(w.shape) for w in weights.entries if w.kind != BUFFER)
+            index = {
+                "metadata": {"total_parameters": params, **split.metadata},
+                "weight_map": split.tensor_to_filename,
+            }
+            (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        auxfiles.copy_out(objects, files, staging)
+        swap_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return ExportReport(
+        path=out, step=weights.step, dtype=str(dtype).removeprefix("torch."), tensors=len(layout),
+        bytes=split.metadata["total_size"], weight_files=list(split.filename_to_tensors),
+        copied_files=sorted(row.path for row in files),
+    )  # fmt: skip
+
+
+def _write_shard(shard, entries: list[Weight], weights: StepWeights, dtype, buffers: dict, bar) -> None:
+    def write(weight: Weight) -> None:
+        tensor = buffers[weight.name] if weight.kind == BUFFER else weights.read(weight, dtype)
+        shard.write(weight.name, tensor)
+
+    # Largest first, so no big tensor starts last while the other threads sit idle.
+    entries = sorted(entries, key=lambda w: 0 if w.kind == BUFFER else -tensor_bytes(w.shape, dtype))
+    with ThreadPoolExecutor(knobs.io_threads()) as pool:
+        tasks = [pool.submit(write, w) for w in entries]
+        try:
+            for task in as_completed(tasks):
+                task.result()
+                next(bar, None)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+
+def _split(layout: dict, max_shard_size: int | str):
+    """Which tensors go in which file, as ``save_pretrained`` splits them."""
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int | str):
+        raise BadInputError(f"max shard size {max_shard_size!r} is not a size like 2GB or 500MB")
+    try:
+        split = split_state_dict_into_shards_factory(
+            layout,
+            get_storage_size=lambda spec: tensor_bytes(*spec),
+            filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
+            max_shard_size=max_shard_size,
+        )
+    except ValueError:
+        split = None
+    if split is None or (isinstance(max_shard_size, int) and max_shard_size <= 0):
+        raise BadInputError(f"max shard size {max_shard_size!r} is not a size like 2GB or 500MB")
+    return split
+
+
+def _belongs_in_model_folder(path: str) -> bool:
+    return "/" not in path and any(fnmatch.fnmatch(path, pattern) for pattern in MODEL_FOLDER_FILES)

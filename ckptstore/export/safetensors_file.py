@@ -1,0 +1,81 @@
+"""A safetensors file written one tensor at a time, in any order, from several threads.
+
+safetensors' ``save_file`` needs the whole shard in memory; an exported model would then cost
+a shard of RAM. The format is simple and fixed (an 8-byte little-endian header length, a JSON
+header of every tensor's dtype, shape and byte range, then the bytes), so the header is
+written first from the shapes alone and each tensor's bytes land at their offset when read.
+The library reads the result (the tests load every file with ``safetensors.safe_open``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from ..deepspeed.torchfile import pwrite_all
+from ..errors import UnsupportedError
+from ..format.codec import raw_bytes
+
+DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes a tensor of ``shape`` and ``dtype`` takes in the file."""
+    return math.prod(shape) * dtype.itemsize
+
+
+class SafetensorsFile:
+    """An open safetensors file whose header lists ``tensors`` (name -> (shape, dtype)) in that order.
+
+    ``write`` each of them once (any thread, any order), then ``close``. ``metadata`` goes
+    under ``__metadata__`` (transformers writes ``{"format": "pt"}``).
+    """
+
+    def __init__(
+        self, path: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], metadata: dict[str, str]
+    ) -> None:
+        header: dict = {"__metadata__": metadata}
+        self._slots: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        position = 0
+        for name, (shape, dtype) in tensors.items():
+            if dtype not in DTYPE_CODES:
+                raise UnsupportedError(f"{name}: dtype {dtype} cannot be written to safetensors here")
+            size = tensor_bytes(shape, dtype)
+            header[name] = {
+                "dtype": DTYPE_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [position, position + size],
+            }
+            self._slots[name] = (position, tuple(shape), dtype)
+            position += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the tensor bytes start 8-byte aligned, as the library writes them
+        self._base = 8 + len(text)
+        self.size = self._base + position
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self._fd, self.size)
+        pwrite_all(self._fd, memoryview(struct.pack("<Q", len(text)) + text), 0)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor``'s bytes at ``name``'s place; its shape and dtype must be the header's."""
+        offset, shape, dtype = self._slots[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(
+                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the header says {shape} {dtype}"
+            )
+        pwrite_all(self._fd, raw_bytes(tensor), self._base + offset)
+
+    def close(self) -> None:
+        """Close the file (not fsynced: like materialize, and like ``save_pretrained``)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

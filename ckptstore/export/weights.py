@@ -1,0 +1,121 @@
+"""The model weights of a step: which stored tensor each state-dict entry is read from.
+
+A trainable parameter's weight is its fp32 master (what ``zero_to_fp32`` consolidates); a
+frozen one is its stored module weight; a persistent buffer is stored as is. Tied parameters
+(``aliases``) are one stored tensor under several names. Only these tensors are read, never
+optimizer state, so a weights-only step exports like a full one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .. import knobs
+from ..catalog import Catalog
+from ..errors import BadInputError, CorruptError
+from ..format.codec import DTYPES
+from ..materialize import compose
+from ..materialize.directory import step_reader
+from ..model import BUFFER, FP32, WEIGHT
+from ..objects import ObjectStore
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``dtype`` as a floating torch dtype (names: float32/fp32, bfloat16/bf16, float16/fp16).
+
+    None stays None (the training dtype). Raises BadInputError for anything else.
+    """
+    if dtype is None or dtype in _DTYPE_NAMES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    raise BadInputError(f"dtype {dtype!r} is not one of float32, bfloat16, float16")
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One state-dict entry: its name, the stored kind it is read from, and its shape
+    (None for a buffer, whose shape is known once read)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] | None
+
+
+class StepWeights:
+    """The weights of one committed step (or compose plan), read from the store on demand.
+
+    ``entries`` lists them in the module's state-dict order, without tied duplicates;
+    ``aliases`` maps each tied name to the entry it shares (``lm_head.weight`` ->
+    ``transformer.wte.weight``). ``training_dtype`` is the dtype the module trained in.
+    Raises NotFoundError for an unknown step, BadInputError for a bad spec.
+    """
+
+    def __init__(
+        self, objects: ObjectStore, catalog: Catalog, step: int | None, spec: compose.Spec | None = None
+    ) -> None:
+        self.step, sources = compose.step_or_spec(step, spec, catalog, "export")
+        description = json.loads(catalog.description(self.step))
+        params = description["params"]
+        self.aliases: dict[str, str] = dict(description.get("aliases", {}))
+        self.entries: list[Weight] = []
+        for key, what in description["module_keys"]:
+            if what == "alias":
+                continue
+            if what == BUFFER:
+                self.entries.append(Weight(key, BUFFER, None))
+            else:
+                kind = FP32 if params[key]["trainable"] else WEIGHT
+                self.entries.append(Weight(key, kind, tuple(params[key]["shape"])))
+        trainable = [p for p in params.values() if p["trainable"]] or list(params.values())
+        self.training_dtype = DTYPES[trainable[0]["dtype"]] if trainable else torch.float32
+        only = {(w.name, w.kind) for w in self.entries}
+        self._reader = step_reader(objects, catalog, self.step, description, sources, only=only)
+
+    def read(self, weight: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor of ``weight``, floating point cast to ``dtype`` (default: as stored, fp32
+        for masters). Raises NotFoundError / CorruptError naming the object and the step."""
+        tensor = self._reader(weight.name, weight.kind)
+        if tensor is None:
+            raise CorruptError(f"step {self.step} has no stored {weight.kind} tensor for {weight.name}")
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        return tensor
+
+    def read_all(self, entries: list[Weight], dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+        """``read`` of each of ``entries``, in order, several read ahead on I/O threads."""
+        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+            window = knobs.io_threads() * 2
+            pending = [pool.submit(self.read, w, dtype) for w in entries[:window]]
+            for i in range(len(entries)):
+                tensor = pending[i].result()
+                pending[i] = None  # forget it once handed out
+                if i + window < len(entries):
+                    pending.append(pool.submit(self.read, entries[i + window], dtype))
+                yield tensor
+
+
+def state_dict(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int | None,
+    dtype: str | torch.dtype | None = torch.float32,
+    spec: compose.Spec | None = None,
+) -> dict[str, torch.Tensor]:
+    """The consolidated weights of ``step`` in memory, as ``Store.state_dict`` documents."""
+    weights = StepWeights(objects, catalog, step, spec)
+    dtype = parse_dtype(dtype)
+    out = dict(zip((w.name for w in weights.entries), weights.read_all(weights.entries, dtype), strict=True))
+    for alias, owner in weights.aliases.items():
+        out[alias] = out[owner]
+    return out
