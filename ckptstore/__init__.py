@@ -12,6 +12,7 @@ from .errors import (
     NotFoundError,
     StorageError,
     UnsupportedError,
+    WeightsOnlyError,
 )
 from .model import StepRow
 from .opening import open, rebuild_catalog
@@ -31,5 +32,6 @@ __all__ = [
     "UnsupportedError",
     "BadInputError",
     "StorageError",
+    "WeightsOnlyError",
 ]
 __version__ = "0.1.0"

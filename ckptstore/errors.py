@@ -45,6 +45,12 @@ class BadInputError(CkptStoreError):
     exit_code = 2
 
 
+class WeightsOnlyError(CkptStoreError):
+    """The step keeps only its weights (gc made it weights-only): it exports, it does not resume."""
+
+    exit_code = 8
+
+
 class StorageError(CkptStoreError):
     """The object store failed (disk full, permission denied, network)."""
 

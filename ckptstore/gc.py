@@ -31,6 +31,7 @@ from .errors import BadInputError, CorruptError
 from .format import layout
 from .objects import ObjectInfo, ObjectStore
 from .progress import progress_bar
+from .thin import thin, weights_to_keep
 
 
 @dataclass
@@ -46,6 +47,9 @@ class GcReport:
     bytes_spared: int = 0  # of blobs and auxiliary files
     files_freed: int = 0  # auxiliary files (files=); their bytes count in bytes_freed
     files_spared: int = 0
+    steps_weights_only: list[int] = field(default_factory=list)  # kept, their weights only
+    steps_thinned: list[int] = field(default_factory=list)  # of those, made weights-only by this run
+    layers_thinned: int = 0  # layer units rewritten without their optimizer state
 
     def as_dict(self) -> dict:
         """Plain dict for ``--json``."""
@@ -59,6 +63,9 @@ class GcReport:
             "bytes_spared": self.bytes_spared,
             "files_freed": self.files_freed,
             "files_spared": self.files_spared,
+            "steps_weights_only": self.steps_weights_only,
+            "steps_thinned": self.steps_thinned,
+            "layers_thinned": self.layers_thinned,
         }
 
 
@@ -97,10 +104,12 @@ def steps_to_keep(
     keep_every: int | None = None,
     keep_steps: Iterable[int] = (),
     best: Iterable[int] | None = None,
+    other_rules: bool = False,
 ) -> list[int]:
-    """The steps the retention rules keep; with no rule at all, every step is kept.
+    """The steps the retention rules keep whole; with no rule at all, every step is kept.
 
-    ``best``: the steps keep-best rules chose (None: no such rule)."""
+    ``best``: the steps keep-best rules chose (None: no such rule). ``other_rules``: rules
+    that keep steps otherwise (weights-only) were given, so no rule here keeps nothing."""
     keep_steps = set(keep_steps)
     if keep_last is not None and keep_last < 0:
         raise BadInputError(f"--keep-last must be >= 0, not {keep_last}")
@@ -109,7 +118,7 @@ def steps_to_keep(
     unknown = sorted(keep_steps - set(steps))
     if unknown:
         raise BadInputError(f"--keep-step names steps that do not exist: {', '.join(map(str, unknown))}")
-    if keep_last is None and keep_every is None and not keep_steps and best is None:
+    if keep_last is None and keep_every is None and not keep_steps and best is None and not other_rules:
         return list(steps)
     kept = set(keep_steps) | set(best or ())
     if keep_last:
@@ -136,6 +145,8 @@ def collect(
     keep_every: int | None = None,
     keep_steps: Iterable[int] = (),
     keep_best: Iterable[KeepBest | str] = (),
+    keep_weights_every: int | None = None,
+    keep_weights_last: int | None = None,
     drop_steps: Iterable[int] = (),
     grace: float = 3600.0,
     dry_run: bool = False,
@@ -146,30 +157,48 @@ def collect(
 
     ``keep_best`` rules (``KeepBest`` or ``"eval_loss:min"``) keep the best steps by a metric;
     naming a metric no step recorded is a BadInputError (a typo would otherwise keep nothing).
+    ``keep_weights_every``/``keep_weights_last`` keep, of the steps no other rule keeps, those
+    divisible by K / the N newest as weights-only steps (``thin``).
     ``drop_steps`` drops those steps in addition to what retention drops. ``now`` replaces
     the clock (tests). Raises BadInputError if every step would go without ``allow_empty``,
     CorruptError if a kept step already misses a blob (nothing is changed then).
     """
     rules = [KeepBest.parse(rule) for rule in keep_best]
+    for name, value in (
+        ("--keep-weights-every", keep_weights_every),
+        ("--keep-weights-last", keep_weights_last),
+    ):
+        if value is not None and value <= 0:
+            raise BadInputError(f"{name} must be > 0, not {value}")
+    weights_rules = keep_weights_every is not None or keep_weights_last is not None
     with objects.lock(exclusive=True):
         steps = catalog.steps()
         kept = steps_to_keep(
-            steps,
-            keep_last=keep_last,
-            keep_every=keep_every,
-            keep_steps=keep_steps,
-            best=_best_steps(catalog, rules),
-        )
+            steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
+            best=_best_steps(catalog, rules), other_rules=weights_rules,
+        )  # fmt: skip
         missing = sorted(set(drop_steps) - set(steps))
         if missing:
             raise BadInputError(f"cannot drop steps that do not exist: {', '.join(map(str, missing))}")
         kept = [s for s in kept if s not in set(drop_steps)]
-        dropped = [s for s in steps if s not in set(kept)]
-        if steps and not kept and not allow_empty:
+        weights = weights_to_keep(
+            [s for s in steps if s not in set(kept) and s not in set(drop_steps)],
+            every=keep_weights_every, last=keep_weights_last,
+        )  # fmt: skip
+        dropped = [s for s in steps if s not in set(kept) | set(weights)]
+        already = catalog.weights_only_steps() if weights_rules else set()
+        none_resumable = weights_rules and not [s for s in kept if s not in already]
+        if steps and (not kept and not weights or none_resumable) and not allow_empty:
+            what = "drop every step" if not kept and not weights else "leave no resumable step"
             raise BadInputError(
-                f"these rules would drop every step ({len(steps)}); pass --allow-empty (allow_empty=True) to mean it"
+                f"these rules would {what} ({len(steps)}); pass --allow-empty (allow_empty=True) to mean it"
             )
-        report = GcReport(dry_run=dry_run, steps_kept=kept, steps_dropped=dropped)
+        report = GcReport(dry_run=dry_run, steps_kept=sorted(kept + weights), steps_dropped=dropped)
+        if weights:
+            thinned = thin(objects, catalog, weights, kept, dry_run=dry_run)
+            report.steps_weights_only = sorted(set(weights) | (already & set(kept)))
+            report.steps_thinned, report.layers_thinned = thinned.steps, thinned.units
+        kept = kept + weights
 
         cutoff = (time.time() if now is None else now) - grace
         doomed = _unreferenced(layout.list_blobs(objects), catalog.blobs_of_steps(kept), cutoff, "blob")
@@ -186,7 +215,12 @@ def collect(
         if dry_run:
             return report
 
-        _delete(objects, [layout.manifest_name(step) for step in dropped], "manifest")
+        generations = layout.list_manifests(objects).generations
+        _delete(
+            objects,
+            [layout.manifest_name(step, g) for step in dropped for g in generations.get(step, [0])],
+            "manifest",
+        )
         catalog.drop_steps(dropped)
         _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")
         catalog.forget_blobs(doomed.gone_keys)

@@ -133,6 +133,8 @@ class StepRow:
     layers_total: int
     bytes_added: int
     blobs_added: int
+    # False for a weights-only step (gc kept its weights only): it exports, it does not resume
+    resumable: bool = True
     # name -> value recorded with the step (commit(metrics=...)); None where it was not finite
     metrics: dict[str, float | None] = field(default_factory=dict)
 
@@ -225,6 +227,8 @@ class StepRecord:
     added: tuple[int, int] | None = None
     # name -> value (commit(metrics=...)); None for a value that was not finite
     metrics: dict[str, float | None] = field(default_factory=dict)
+    # gc kept only what exporting the weights needs (``ckptstore.thin``): no longer resumable
+    weights_only: bool = False
 
     @property
     def layers_saved(self) -> list[str]:

@@ -86,6 +86,11 @@ class Store:
         Raises NotFoundError."""
         return self.catalog.layer_rows(_step(step))
 
+    def resumable(self, step: int) -> bool:
+        """Whether ``step`` resumes (materialize, restore); False for a weights-only step, which
+        gc kept with its weights only (it still exports). Raises NotFoundError."""
+        return not self.catalog.is_weights_only(_step(step))
+
     def files(self, step: int) -> list[FileRow]:
         """The auxiliary files kept with ``step``. Raises NotFoundError."""
         return self.catalog.files(_step(step))
@@ -246,6 +251,8 @@ class Store:
         keep_every: int | None = None,
         keep_steps: Iterable[int] = (),
         keep_best: Iterable[KeepBest | str] = (),
+        keep_weights_every: int | None = None,
+        keep_weights_last: int | None = None,
         grace: timedelta | float | None = None,
         dry_run: bool = False,
         allow_empty: bool = False,
@@ -255,13 +262,18 @@ class Store:
 
         ``keep_best`` keeps the best steps by a metric recorded with ``commit(metrics=...)``:
         ``["eval_loss:min", "accuracy:max:3"]`` (``NAME:min|max[:COUNT]``, COUNT default 1).
+        ``keep_weights_every=K`` / ``keep_weights_last=N`` keep, of the steps no other rule
+        keeps, those divisible by K / the N newest as *weights-only* steps: their weights stay
+        (``export``, ``state_dict``), their optimizer state goes, except what a whole-kept step
+        inherits; ``materialize`` refuses them.
         Blobs younger than ``grace`` (default ``CKPTSTORE_GC_GRACE`` seconds, 1 hour) are never
         deleted. With no rule, no step is dropped and only unreferenced blobs go. ``dry_run``
         changes nothing and reports what a real run would free. Safe to run while commits run.
         """
         return collect(
             self.objects, self.catalog, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
-            keep_best=keep_best, grace=grace_seconds(grace), dry_run=dry_run, allow_empty=allow_empty, now=now,
+            keep_best=keep_best, keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
+            grace=grace_seconds(grace), dry_run=dry_run, allow_empty=allow_empty, now=now,
         )  # fmt: skip
 
     def delete(self, step: int, *, dry_run: bool = False) -> GcReport:

@@ -14,14 +14,18 @@ def test_names_round_trip():
     assert layout.manifest_name(42) == "manifests/000000000042.json"
     assert layout.parse_blob_name(layout.blob_name(KEY)) == KEY
     assert layout.parse_file_name(layout.file_name(KEY)) == KEY
-    assert layout.parse_manifest_name(layout.manifest_name(42)) == 42
-    assert layout.parse_manifest_name(layout.manifest_name(10**13)) == 10**13
+    assert layout.parse_manifest_name(layout.manifest_name(42)) == (42, 0)
+    assert layout.parse_manifest_name(layout.manifest_name(10**13)) == (10**13, 0)
+    # a record gc rewrote (a weights-only step) is a later generation of the same step
+    assert layout.manifest_name(42, 3) == "manifests/000000000042.3.json"
+    assert layout.parse_manifest_name(layout.manifest_name(42, 3)) == (42, 3)
 
 
 @pytest.mark.parametrize(
     "name",
     [
         "manifests/notes", "manifests/7.json", "manifests/00000000000x.json", "manifests/000000000007.json.bak",
+        "manifests/000000000007.0.json", "manifests/000000000007.01.json", "manifests/000000000007.x.json",
         f"blobs/zz/{KEY}", f"blobs/{KEY}", "blobs/01/" + KEY.upper(), "blobs/01/short", f"files/01/{KEY}/x",
         f"manifests/01/{KEY}",
     ],
@@ -41,3 +45,12 @@ def test_listings_separate_valid_names_from_stray_ones(tmp_path):
     assert list(manifests.found) == [3] and manifests.stray == ["manifests/notes"]
     assert manifests.missing([3, 5]) == [5] and list(manifests.unreferenced([5])) == [3]
     assert layout.list_files(objects).found == {}
+
+
+def test_a_manifest_listing_takes_each_steps_newest_generation(tmp_path):
+    objects = open_objects(str(tmp_path / "store"))
+    for step, generation in ((3, 0), (3, 2), (3, 1), (4, 0)):
+        objects.put_if_absent(layout.manifest_name(step, generation), b"x")
+    manifests = layout.list_manifests(objects)
+    assert manifests.found[3].name == layout.manifest_name(3, 2) and manifests.generation(3) == 2
+    assert manifests.generations == {3: [0, 1, 2], 4: [0]}

@@ -111,3 +111,12 @@ def test_update_statistics_and_files_are_encoded_only_when_present():
     assert manifest.decode(manifest.encode(record)) == record
     unmeasured = dataclasses.replace(example(), updates={"embed": (None, None)})
     assert manifest.encode(unmeasured) == manifest.encode(example())  # a first commit measures nothing
+
+
+def test_metrics_and_the_weights_only_mark_round_trip_and_are_encoded_only_when_present():
+    record = dataclasses.replace(example(), metrics={"eval_loss": 2.31, "diverged": None}, weights_only=True)
+    assert manifest.decode(manifest.encode(record)) == record
+    assert b'"metrics":[["diverged",null],["eval_loss",2.31]]' in manifest.encode_v1(record)
+    assert b'"weights_only":true' in manifest.encode_v1(record)
+    plain = manifest.encode_v1(example())
+    assert b"metrics" not in plain and b"weights_only" not in plain

@@ -29,9 +29,10 @@ from ..model import (
 from . import database
 from .metrics import MetricQueries
 from .packs import LayerPackQueries
+from .weights_only import WeightsOnlyQueries
 
 
-class Catalog(LayerPackQueries, MetricQueries):
+class Catalog(LayerPackQueries, MetricQueries, WeightsOnlyQueries):
     """Access to one catalog database file (created with the current schema when missing).
 
     The queries of format-2 pack indexes are in ``packs.LayerPackQueries``."""
@@ -82,11 +83,14 @@ class Catalog(LayerPackQueries, MetricQueries):
         if pending:
             self.loader(pending)
 
-    def set_listed(self, steps: Iterable[int]) -> None:
-        """Make ``steps`` the listed steps (the manifests a listing of the store found)."""
+    def set_listed(self, steps: dict[int, int]) -> None:
+        """Make ``steps`` (step -> manifest generation) the listed steps: the manifests a
+        listing of the store found."""
         with self.write_transaction():
             self.db.execute("DELETE FROM listed_steps")
-            self.db["listed_steps"].insert_all(({"step": step} for step in steps), ignore=True)
+            self.db["listed_steps"].insert_all(
+                ({"step": step, "generation": generation} for step, generation in steps.items()), ignore=True
+            )
 
     def unlist(self, steps: Iterable[int]) -> None:
         """Forget listed steps that cannot be imported (their manifest is gone or unreadable)."""
@@ -206,13 +210,17 @@ class Catalog(LayerPackQueries, MetricQueries):
         self.load()
         sql = """
             SELECT s.step, s.created_at, s.world_size, s.layers_saved,
-                   (SELECT count(*) FROM layers l WHERE l.step = s.step), s.bytes_added, s.blobs_added
+                   (SELECT count(*) FROM layers l WHERE l.step = s.step), s.bytes_added, s.blobs_added,
+                   NOT s.weights_only
             FROM steps s ORDER BY s.step
         """
         metrics: dict[int, dict[str, float | None]] = {}
         for step, name, value in self.db.execute("SELECT step, name, value FROM metrics ORDER BY step, name"):
             metrics.setdefault(step, {})[name] = value
-        return [StepRow(*row, metrics=metrics.get(row[0], {})) for row in self.db.execute(sql)]
+        return [
+            StepRow(*row[:7], resumable=bool(row[7]), metrics=metrics.get(row[0], {}))
+            for row in self.db.execute(sql)
+        ]
 
     def layer_rows(self, step: int) -> list[LayerRow]:
         """Every layer of ``step`` in model order: source step, stored bytes, update statistics."""
@@ -260,6 +268,7 @@ class Catalog(LayerPackQueries, MetricQueries):
         *,
         samples: dict[str, bytes] | None = None,
         if_absent: bool = False,
+        generation: int = 0,
     ) -> bool:
         """Write every row of ``record`` in one transaction: all of it becomes visible, or none.
 
@@ -271,6 +280,7 @@ class Catalog(LayerPackQueries, MetricQueries):
         this catalog did not know yet. ``samples``: parameter name -> update-statistics sample (commit.stats), kept
         only on the committing machine. Returns True; an existing step raises ConflictError,
         or returns False with ``if_absent`` (another process sharing the catalog recorded it).
+        ``generation``: that of the manifest the record was read from (0: the commit's).
         """
         step = record.step
         with self.write_transaction():
@@ -307,6 +317,8 @@ class Catalog(LayerPackQueries, MetricQueries):
                     "layers_saved": len(record.layers_saved),
                     "bytes_added": bytes_added,
                     "blobs_added": blobs_added,
+                    "weights_only": record.weights_only,
+                    "generation": generation,
                 }
             )
             unmeasured = (None, None)

@@ -59,10 +59,10 @@ def cache_path(objects: ObjectStore) -> Path:
     return Path(knobs.cache_dir()).expanduser() / f"{readable}-{digest}" / "catalog.db"
 
 
-def read_manifest(objects: ObjectStore, step: int) -> StepRecord:
-    """Fetch and parse ``step``'s manifest. Raises NotFoundError, CorruptError if it is
-    malformed or names another step, UnsupportedError if a newer ckptstore wrote it."""
-    name = layout.manifest_name(step)
+def read_manifest(objects: ObjectStore, step: int, generation: int = 0) -> StepRecord:
+    """Fetch and parse ``step``'s manifest of that generation. Raises NotFoundError, CorruptError
+    if it is malformed or names another step, UnsupportedError if a newer ckptstore wrote it."""
+    name = layout.manifest_name(step, generation)
     try:
         record = manifest.decode(objects.get(name))
     except UnsupportedError as exc:
@@ -72,41 +72,50 @@ def read_manifest(objects: ObjectStore, step: int) -> StepRecord:
     return record
 
 
-def import_record(catalog: Catalog, record: StepRecord) -> bool:
+def import_record(catalog: Catalog, record: StepRecord, generation: int = 0) -> bool:
     """Record a step committed elsewhere in ``catalog``; False if the catalog already had it."""
-    return catalog.record_step(record, if_absent=True)
+    return catalog.record_step(record, if_absent=True, generation=generation)
 
 
-def _fetch_all(objects: ObjectStore, steps: Iterable[int], report: SyncReport) -> Iterable[StepRecord]:
-    """The manifests of ``steps`` in ascending step order (composite steps after their sources)."""
-    steps = sorted(steps)
+def _fetch_all(
+    objects: ObjectStore, steps: dict[int, int], report: SyncReport
+) -> Iterable[tuple[StepRecord, int]]:
+    """The manifests of ``steps`` (step -> generation) in ascending step order (composite steps
+    after their sources), each with its generation."""
+    ordered = sorted(steps)
 
-    def fetch(step: int) -> StepRecord | None:
+    def fetch(step: int) -> tuple[StepRecord, int] | None:
         try:
-            return read_manifest(objects, step)
+            return read_manifest(objects, step, steps[step]), steps[step]
         except NotFoundError:
             return None  # deleted since it was listed (a gc elsewhere)
         except CorruptError as exc:
-            report.corrupt.append(f"{layout.manifest_name(step)}: {exc}")
+            report.corrupt.append(f"{layout.manifest_name(step, steps[step])}: {exc}")
             return None
 
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
-        for i in range(0, len(steps), _BATCH):
-            for record in pool.map(fetch, steps[i : i + _BATCH]):
-                if record is not None:
-                    yield record
+        for i in range(0, len(ordered), _BATCH):
+            for found in pool.map(fetch, ordered[i : i + _BATCH]):
+                if found is not None:
+                    yield found
 
 
 def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
     """Make ``catalog`` list exactly the steps whose manifests are in ``objects``, from one listing.
 
     Steps whose manifest is gone (dropped by a gc elsewhere) are dropped; the others are listed
-    and imported only when a query first needs them (``load_steps``).
+    and imported only when a query first needs them (``load_steps``). A step whose record a gc
+    elsewhere rewrote (a newer manifest generation: it became weights-only) is dropped and
+    listed again, so it is imported afresh.
     """
     report = SyncReport()
-    remote = set(layout.list_manifests(objects).found)
+    listing = layout.list_manifests(objects)
+    remote = {step: listing.generation(step) for step in listing.found}
     with catalog.write_transaction():
-        report.dropped = sorted(set(catalog.recorded_steps()) - remote)
+        recorded = catalog.generations()
+        report.dropped = sorted(
+            step for step, generation in recorded.items() if remote.get(step) != generation
+        )
         if report.dropped:
             catalog.drop_steps(report.dropped)
         catalog.set_listed(remote)
@@ -119,8 +128,8 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
 
     Raises UnsupportedError if a manifest was written by a newer ckptstore."""
     report = SyncReport()
-    for record in _fetch_all(objects, steps, report):
-        if import_record(catalog, record):
+    for record, generation in _fetch_all(objects, {s: catalog.listed_generation(s) for s in steps}, report):
+        if import_record(catalog, record, generation):
             report.imported.append(record.step)
     for problem in report.corrupt:
         log.warning("ckptstore: skipped corrupt manifest %s", problem)
@@ -171,15 +180,18 @@ def rebuild(path: Path, objects: ObjectStore) -> SyncReport:
     fresh = path.with_name(f"{path.name}.rebuild-{uuid.uuid4().hex[:8]}{knobs.tmp_suffix()}")
     report = SyncReport()
     stored = {**layout.list_blobs(objects).found, **layout.list_packs(objects).found}
+    listing = layout.list_manifests(objects)
     catalog = Catalog(fresh)
     try:
-        for record in _fetch_all(objects, layout.list_manifests(objects).found, report):
+        for record, generation in _fetch_all(
+            objects, {s: listing.generation(s) for s in listing.found}, report
+        ):
             # A local commit that died between its manifest and its catalog row left a
             # manifest whose blobs a later gc may have swept: such a step is not restored.
             needed = [b.key for b in record.blobs] + [p.key for i in record.packs.values() for p in i.packs]
             if any(key not in stored for key in needed):
                 report.incomplete.append(record.step)
-            elif import_record(catalog, record):
+            elif import_record(catalog, record, generation):
                 report.imported.append(record.step)
         report.steps = catalog.steps()
         # Fold the write-ahead log into the file, so the file alone is the whole catalog.

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input; 3 not found
 (step, store, blob); 4 corrupt data; 5 conflict (e.g. non-empty output directory);
-6 unsupported engine or store format; 7 storage failure; 70 internal error.
+6 unsupported engine or store format; 7 storage failure; 8 the step keeps only its weights
+(materialize of a weights-only step); 70 internal error.
 """
 
 from __future__ import annotations

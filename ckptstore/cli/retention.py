@@ -43,6 +43,10 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
         f"{len(report.steps_dropped)} steps")  # fmt: skip
     click.echo(f"{verb} {len(report.steps_dropped)} step(s){': ' + dropped if report.steps_dropped else ''}; "
                f"kept {len(report.steps_kept)}")  # fmt: skip
+    if report.steps_thinned:
+        would = "would make" if report.dry_run else "made"
+        click.echo(f"{would} {len(report.steps_thinned)} step(s) weights-only ({report.layers_thinned} layer(s) "
+                   f"rewritten without optimizer state): {', '.join(map(str, report.steps_thinned))}")  # fmt: skip
     files = f" and {report.files_freed} auxiliary file(s)" if report.files_freed else ""
     spared = report.blobs_spared + report.files_spared
     click.echo(f"{freed} {report.blobs_freed} pack(s) and blob(s){files}, {human(report.bytes_freed)}; "
@@ -56,6 +60,14 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
 @click.option(
     "--keep-best", "keep_best", metavar="NAME:min|max[:COUNT]", multiple=True,
     help="Keep the COUNT (default 1) best steps by a metric recorded with the commit (repeatable).",
+)  # fmt: skip
+@click.option(
+    "--keep-weights-every", type=click.IntRange(min=1), metavar="K",
+    help="Of the steps no other rule keeps, keep those divisible by K with their weights only.",
+)  # fmt: skip
+@click.option(
+    "--keep-weights-last", type=click.IntRange(min=1), metavar="N",
+    help="Of the steps no other rule keeps, keep the N newest with their weights only.",
 )  # fmt: skip
 @click.option(
     "--grace", type=Duration(), default=None,
@@ -74,6 +86,8 @@ def gc(
     keep_every,
     keep_steps,
     keep_best,
+    keep_weights_every,
+    keep_weights_last,
     grace,
     dry_run,
     allow_empty,
@@ -82,7 +96,9 @@ def gc(
 ) -> None:
     """Drop steps the retention rules do not keep, then delete packs, blobs and files no kept step needs.
 
-    Steps not kept by --keep-last, --keep-every, --keep-step or --keep-best are dropped; with no rule,
+    Steps not kept by --keep-last, --keep-every, --keep-step or --keep-best are dropped, or
+    kept with their weights only (no optimizer state: they export, they do not resume) by
+    --keep-weights-every / --keep-weights-last; with no rule,
     no step is dropped and only unreferenced packs, blobs and auxiliary files go. Layers that kept (composite) steps
     inherit from dropped steps are kept. Safe to run from cron next to training jobs:
     commits and other gc runs may run at the same time. Quiet unless it fails (or on a
@@ -91,10 +107,12 @@ def gc(
     \b
     Example (crontab): 17 * * * * ckptstore --store /data/run7 gc --keep-last 5 --keep-every 1000
     Never lose the best evaluation: ckptstore gc --keep-last 3 --keep-best eval_loss:min
+    Older steps as weights only:    ckptstore gc --keep-last 3 --keep-weights-every 1000
     """
     with open_store(ctx) as store:
         report = store.gc(
             keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps, keep_best=keep_best, grace=grace,
+            keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
             dry_run=dry_run, allow_empty=allow_empty,
         )  # fmt: skip
     _print_gc(report, as_json, always=dry_run or verbose or sys.stdout.isatty())

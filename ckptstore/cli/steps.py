@@ -30,9 +30,10 @@ def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) ->
     """
     with open_store(ctx) as store:
         rows = store.show(step)
+        resumable = store.resumable(step)
     if as_json:
         for row in rows:
-            click.echo(json.dumps(asdict(row)))
+            click.echo(json.dumps({**asdict(row), "resumable": resumable}))
         return
     width = max(len("layer"), *(len(row.layer) for row in rows))
     click.echo(f"{'layer':<{width}}  {'from step':>10}  {'bytes':>10}  {'update':>9}  {'since':>6}")
@@ -44,6 +45,8 @@ def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) ->
     saved = sum(1 for row in rows if row.source == step)
     total = human(sum(row.bytes for row in rows))
     click.echo(f"{saved} of {len(rows)} layers saved at step {step}; {total} in all")
+    if not resumable:
+        click.echo(f"step {step} is weights-only: it exports (ckptstore export), it does not resume")
 
 
 @cli.command()
@@ -51,7 +54,8 @@ def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) ->
 @store_option
 @click.pass_context
 def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
-    """List committed steps: when, how many layers each saved, bytes it added, metrics.
+    """List committed steps: when, how many layers each saved, bytes it added, whether it
+    resumes ("weights": gc kept its weights only), metrics.
 
     Example: ckptstore --store runs/store log
     """
@@ -67,6 +71,7 @@ def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
     with_metrics = any(row.metrics for row in rows)
     click.echo(
         f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'objects added':>13}  {'bytes added':>11}"
+        + "  resumes"
         + ("  metrics" if with_metrics else "")
     )
     for row in rows:
@@ -74,6 +79,7 @@ def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
         metrics = " ".join(f"{name}={_metric(value)}" for name, value in row.metrics.items())
         click.echo(
             f"{row.step:>10}  {row.created_at:<25} {saved:>12}  {row.blobs_added:>13}  {human(row.bytes_added):>11}"
+            + ("  yes    " if row.resumable else "  weights")
             + (f"  {metrics}" if metrics else "")
         )
 

@@ -108,6 +108,11 @@ def _inheritance_refusal(
     """Why ``step`` cannot inherit layers from ``previous`` (None when it can)."""
     if previous is None:
         return f"step {step} would be the store's first step, so it must save every layer (layers=None)"
+    if catalog.is_weights_only(previous):
+        return (
+            f"step {previous} keeps only its weights (gc made it weights-only), so layers cannot be "
+            "inherited from it; commit every layer (layers=None)"
+        )
     before = json.loads(catalog.description(previous))
     same_params = before["params"] == description["params"]
     if not (same_layers and same_params and before["world_size"] == description["world_size"]):

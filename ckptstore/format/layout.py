@@ -8,6 +8,8 @@ A store holds::
     files/<ab>/<key>               one auxiliary file each (config.json, tokenizer files...)
     manifests/<step, 12 digits>.json   one per committed step: its StepRecord (``format.manifest``;
                                    JSON text in format 1, a CKPM binary in format 2)
+    manifests/<step>.<generation>.json  the step's record as gc rewrote it (weights-only steps,
+                                   ``ckptstore.thin``); the highest generation is the step's record
 
 Names are built and parsed here only, and a name is valid only if building it again from what
 was parsed gives the same name. Anything else under a known prefix is *stray*: listings
@@ -55,9 +57,10 @@ def file_name(key: str) -> str:
     return _keyed(FILES, key)
 
 
-def manifest_name(step: int) -> str:
-    """Object name of ``step``'s manifest (zero-padded so that names sort by step)."""
-    return f"{MANIFESTS}{step:012d}.json"
+def manifest_name(step: int, generation: int = 0) -> str:
+    """Object name of ``step``'s manifest (zero-padded so that names sort by step); generation
+    0 is the commit's, each later one a rewrite by gc. Every name is written once (create-only)."""
+    return f"{MANIFESTS}{step:012d}.json" if generation == 0 else f"{MANIFESTS}{step:012d}.{generation}.json"
 
 
 def _parse_keyed(prefix: str, name: str) -> str | None:
@@ -80,12 +83,15 @@ def parse_file_name(name: str) -> str | None:
     return _parse_keyed(FILES, name)
 
 
-def parse_manifest_name(name: str) -> int | None:
-    """The step a valid manifest name holds; None for anything else."""
+def parse_manifest_name(name: str) -> tuple[int, int] | None:
+    """The (step, generation) a valid manifest name holds; None for anything else."""
     if not name.startswith(MANIFESTS) or not name.endswith(".json"):
         return None
-    digits = name[len(MANIFESTS) : -len(".json")]
-    return int(digits) if _STEP.fullmatch(digits) and manifest_name(int(digits)) == name else None
+    digits, _, generation = name[len(MANIFESTS) : -len(".json")].partition(".")
+    if not _STEP.fullmatch(digits) or not (generation == "" or generation.isdigit()):
+        return None
+    parsed = (int(digits), int(generation or 0))
+    return parsed if manifest_name(*parsed) == name else None
 
 
 @dataclass
@@ -132,6 +138,22 @@ def list_files(objects: ObjectStore) -> Listing[str]:
     return _listing(objects, FILES, parse_file_name)
 
 
-def list_manifests(objects: ObjectStore) -> Listing[int]:
-    """Every manifest by step, and the stray names under ``manifests/``."""
-    return _listing(objects, MANIFESTS, parse_manifest_name)
+@dataclass
+class ManifestListing(Listing[int]):
+    """The manifests by step (``found``: each step's newest generation), and their generations."""
+
+    generations: dict[int, list[int]] = field(default_factory=dict)
+
+    def generation(self, step: int) -> int:
+        """The generation of ``step``'s record (its newest manifest)."""
+        return self.generations[step][-1]
+
+
+def list_manifests(objects: ObjectStore) -> ManifestListing:
+    """Every step's newest manifest by step, every generation found, and the stray names."""
+    by_name = _listing(objects, MANIFESTS, parse_manifest_name)
+    listing = ManifestListing(stray=by_name.stray)
+    for (step, generation), info in sorted(by_name.found.items()):
+        listing.found[step] = info  # sorted: the newest generation wins
+        listing.generations.setdefault(step, []).append(generation)
+    return listing

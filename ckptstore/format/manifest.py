@@ -32,7 +32,7 @@ _MAX_BYTES = 1 << 32  # what no manifest ckptstore writes decompresses to
 
 def _body(record: StepRecord) -> dict:
     """The JSON fields both formats share. Update statistics, files, the counts of what the
-    commit added and metrics are encoded only when present (readers of older manifests ignore keys they lack)."""
+    commit added, metrics and the weights-only mark are encoded only when present (readers of older manifests ignore keys they lack)."""
     body = {
         "step": record.step,
         "created_at": record.created_at,
@@ -51,6 +51,8 @@ def _body(record: StepRecord) -> dict:
         body["added"] = list(record.added)
     if record.metrics:
         body["metrics"] = sorted([name, value] for name, value in record.metrics.items())
+    if record.weights_only:
+        body["weights_only"] = True
     return body
 
 
@@ -143,4 +145,5 @@ def _record(body: dict, indexes: bytes) -> StepRecord:
         metrics={
             str(name): None if value is None else float(value) for name, value in body.get("metrics", [])
         },
+        weights_only=body.get("weights_only") is True,
     )

@@ -70,13 +70,25 @@ def encode_parts(
     """
     keys = keys or [None] * len(tensors)
     blobs = [codec.encode_parts(tensor, key) for (_, _, _, tensor), key in zip(tensors, keys, strict=True)]
-    sizes = [sum(memoryview(part).nbytes for part in parts) for _, parts in blobs]
+    return assemble(
+        [
+            (name, kind, start, key, parts)
+            for (name, kind, start, _), (key, parts) in zip(tensors, blobs, strict=True)
+        ]
+    )
+
+
+def assemble(items: list[tuple[str, str, int, str, list]]) -> tuple[str, list, list[Entry]]:
+    """One pack of already encoded entries ``(name, kind, start, content key, blob buffers)``:
+    ``(key, buffers, entries)`` as ``encode_parts`` returns them. Thinning a pack (``thin``)
+    copies the entries it keeps this way, byte for byte."""
+    sizes = [sum(memoryview(part).nbytes for part in parts) for *_, parts in items]
     # The offsets depend on the index's length, which depends on the offsets' digits: settle it.
     length = 0
     while True:
         offset = PREAMBLE.size + length
         entries = []
-        for (name, kind, start, _), (key, _), size in zip(tensors, blobs, sizes, strict=True):
+        for (name, kind, start, key, _), size in zip(items, sizes, strict=True):
             entries.append(Entry(name, kind, start, key, offset, size))
             offset += size
         index = index_bytes(entries)
@@ -84,7 +96,7 @@ def encode_parts(
             break
         length = len(index)
     parts = [PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(index)), index]
-    for _, blob_parts in blobs:
+    for *_, blob_parts in items:
         parts.extend(blob_parts)
     return pack_key([(e.name, e.kind, e.start, e.key) for e in entries]), parts, entries
 

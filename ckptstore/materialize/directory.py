@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import auxfiles
 from ..catalog import Catalog
-from ..errors import BadInputError, ConflictError, CorruptError, require_int
+from ..errors import BadInputError, ConflictError, CorruptError, WeightsOnlyError, require_int
 from ..model import FileRow, layers_by_source
 from ..objects import ObjectStore
 from . import compose
@@ -47,6 +47,7 @@ def materialize(
     step, sources = compose.step_or_spec(step, spec, catalog, "materialize")
     if world_size is not None:
         require_int(world_size, "the world size", minimum=1)
+    check_resumable(catalog, step, sources)
     description = json.loads(catalog.description(step))
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
@@ -66,6 +67,19 @@ def materialize(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def check_resumable(catalog: Catalog, step: int, sources: dict[str, int] | None = None) -> None:
+    """WeightsOnlyError if ``step`` (or a step a compose plan takes layers from) keeps only its weights."""
+    steps = {step} | set((sources or {}).values())
+    weights_only = sorted(s for s in steps if catalog.is_recorded(s) and catalog.is_weights_only(s))
+    if weights_only:
+        which = "step" if len(weights_only) == 1 else "steps"
+        raise WeightsOnlyError(
+            f"{which} {', '.join(map(str, weights_only))} keep{'s' if len(weights_only) == 1 else ''} only "
+            "weights (gc --keep-weights-...) and cannot be materialized; export still works "
+            "(ckptstore export / store.export)"
+        )
 
 
 def check_tag(tag: str, files: list[FileRow]) -> None:
