@@ -28,6 +28,7 @@ from .materialize import compose
 from .materialize.directory import materialize
 from .model import FileRow, LayerRow, StepRow
 from .objects import ObjectStore
+from .restore import restore as restore_engine
 from .verify import VerifyReport, verify
 
 __all__ = ["Store", "CommitReport", "VerifyReport"]
@@ -231,6 +232,37 @@ class Store:
         are cast to ``dtype`` (None keeps them as stored). Raises as ``export``.
         """
         return state_dict(self.objects, self.catalog, step, dtype, spec)
+
+    def restore(
+        self,
+        engine: Any,
+        step: int | None = None,
+        *,
+        spec: compose.Spec | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[int, dict | None]:
+        """Put ``engine`` where it was at ``step`` (default: the newest step), straight from the
+        store; returns ``(step, client_state)``. Collective: every rank calls it.
+
+        The engine ends as ``engine.load_checkpoint`` of ``materialize(step,
+        world_size=<the job's>)`` would leave it (module weights, fp32 masters, optimizer
+        state, scheduler, counters, loss scaler), with the same three load options, at any
+        world size the step was committed at; ``spec`` (a compose spec) instead of a step. No
+        directory is written: each rank reads only the fragments its own partition holds (at
+        ZeRO 0 every rank holds everything). A failure while reading on any rank raises on
+        every rank, naming it, with the engine untouched. Raises NotFoundError (no such step,
+        missing pack), WeightsOnlyError, CorruptError, BadInputError (a bad spec).
+        """
+        require_int(engine.dp_world_size, "the engine's data-parallel size", minimum=1)
+        options = dict(
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+        step = None if step is None else _step(step)
+        return restore_engine(self.objects, self.catalog, engine, step, spec=spec, options=options)
 
     def verify(self, *, deep: bool = True) -> VerifyReport:
         """Check every blob and auxiliary file the committed steps reference, and the catalog.

@@ -327,8 +327,27 @@ def s3_machines(root: Path) -> dict:
     barrier()
     resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=99, num_layers=3)
     resumed.load_checkpoint(str(root / "out"))
-    return {**seen, "loaded_step": resumed.global_steps, "reference": reference,
-            "resumed": train(resumed, DATA[3:])}  # fmt: skip
+    seen.update(loaded_step=resumed.global_steps, reference=reference, resumed=train(resumed, DATA[3:]))
+    # Each rank restores step 3 straight from the bucket, from an empty cache of its own,
+    # counting every byte it fetches.
+    os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-restore-rank{rank()}")
+    fresh = ckptstore.open(uri, create=False)
+    fetched = [0]
+
+    def counted(read):
+        def counting(*args, **kwargs):
+            data = read(*args, **kwargs)
+            fetched[0] += len(data)
+            return data
+
+        return counting
+
+    fresh.objects.get, fresh.objects.get_range = counted(fresh.objects.get), counted(fresh.objects.get_range)
+    restored = build_engine("llama", zero_stage=2, dtype="bf16", seed=98, num_layers=3)
+    step, _ = fresh.restore(restored, 3)
+    seen["restore"] = {"step": step, "fetched": fetched[0], "step_bytes": sum(row.bytes for row in fresh.show(3)),
+                       "losses": train(restored, DATA[3:])}  # fmt: skip
+    return seen
 
 
 def export(root: Path) -> dict:
@@ -349,6 +368,75 @@ def export(root: Path) -> dict:
     return {}
 
 
+def restore_across_sizes(root: Path) -> dict:
+    """Commit step 3 of every config on these 2 ranks, then restore it and a step committed by
+    one rank (``<config>/store1``, written beforehand) into fresh engines; each is compared with
+    ``load_checkpoint`` of the step materialized for 2 ranks."""
+    import torch
+
+    import ckptstore
+    from tests.test_restore import optimizer_tensors
+
+    results = {}
+    for stage, dtype in CONFIGS:
+        name = f"zero{stage}-{dtype}"
+        engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
+        train(engine, DATA[:3])
+        ckptstore.open(root / name / "store2").commit(engine, step=3)
+        for source in ("store2", "store1"):
+            store = ckptstore.open(root / name / source)
+            out = root / name / f"{source}-w2"
+            if rank() == 0:
+                store.materialize(3, out, world_size=2)
+            barrier()
+            loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2)
+            loaded.load_checkpoint(str(out))
+            restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2)
+            step, _ = store.restore(restored)
+            theirs, ours = optimizer_tensors(loaded), optimizer_tensors(restored)
+            results[f"{name} {source}"] = {
+                "step": step,
+                "optimizer_equal": theirs.keys() == ours.keys()
+                and all(torch.equal(ours[k], theirs[k]) for k in theirs),
+                "restored": train(restored, DATA[3:]),
+                "loaded": train(loaded, DATA[3:]),
+            }
+    return results
+
+
+def restore_failing_rank(root: Path) -> dict:
+    """Rank 1's reads fail halfway through a restore: every rank must raise, engines untouched."""
+    import torch
+
+    import ckptstore
+    from ckptstore.errors import StorageError
+
+    store = ckptstore.open(root / "store")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, DATA[:3])
+    store.commit(engine, step=3)
+    fresh = build_engine("llama", zero_stage=2, dtype="bf16", seed=5, num_layers=2)
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    if rank() == 1:
+        reads = [0]
+        get_range = store.objects.get_range
+
+        def failing_get_range(*args, **kwargs):
+            reads[0] += 1
+            if reads[0] > 2:
+                raise StorageError("injected: disk on fire")
+            return get_range(*args, **kwargs)
+
+        store.objects.get_range = failing_get_range
+    try:
+        store.restore(fresh, 3)
+        outcome = "restored"
+    except ckptstore.CkptStoreError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    untouched = all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters(), strict=True))
+    return {"outcome": outcome, "untouched": untouched, "global_steps": fresh.global_steps}
+
+
 def main() -> None:
     setup_single_process_env()
     import logging
@@ -360,7 +448,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking, "export": export}  # fmt: skip
+             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking, "export": export, "restore": restore_across_sizes, "restore_fail": restore_failing_rank}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

@@ -69,6 +69,13 @@ def test_two_ranks_commit_into_s3_and_another_machine_resumes_exactly(s3, machin
         assert observed["sources"]["model.layers.1"] == 6 and observed["sources"]["model.layers.0"] == 3
         assert observed["loaded_step"] == 3, rank
         assert observed["resumed"] == observed["reference"], rank
+        # restore: no shared directory, an empty cache, and only this rank's share fetched
+        restored = observed["restore"]
+        assert restored["step"] == 3 and restored["losses"] == observed["reference"], rank
+        assert restored["fetched"] <= 0.6 * restored["step_bytes"], (rank, restored)
+        print(
+            f"rank {rank} fetched {restored['fetched'] / restored['step_bytes']:.3f}x of step 3's pack bytes"
+        )
     machine("c")
     store = ckptstore.open(s3.uri(), create=False)
     assert store.steps() == [3, 6]

@@ -9,7 +9,9 @@ commit time and bytes added for a full commit, a re-commit of unchanged state an
 of 2 of 8 layers; for a non-blocking commit the time ``commit`` takes, the time the next
 training step loses, and the time until durable, also against ``save_checkpoint`` followed
 by an fsync of its files (ckptstore's commits are fsynced, DeepSpeed's are not); materialize
-time against ``cp -r`` of the DeepSpeed directory; peak extra RSS of commit and materialize.
+time against ``cp -r`` of the DeepSpeed directory; ``restore`` time against ``load_checkpoint``
+of DeepSpeed's own directory and against ``materialize`` + ``load_checkpoint``; peak extra RSS
+of commit, materialize, load_checkpoint and restore.
 ``--ranks 2`` relaunches itself under ``torch.distributed.run`` (gloo on CPU); it also times
 the all-gather a whole-tensor design would need before hashing (ckptstore stores each rank's
 own fragments instead).
@@ -247,6 +249,30 @@ def main() -> int:
         store.close()
     gather_time = statistics.median(gather_cost(engine) for _ in range(args.reps)) if world > 1 else None
 
+    # Resuming: DeepSpeed's load_checkpoint of its own directory; restore straight from the
+    # store; materialize (rank 0, for this world size) then load_checkpoint. Taking turns.
+    load_times, restore_times, mat_load_times = [], [], []
+    store = ckptstore.open(work / "store0")
+    last = store.steps()[-1]
+    for rep in range(args.reps):
+        with rss.measure("load_checkpoint"):
+            load_times.append(barrier_timed(engine.load_checkpoint, str(ds_dir))[0])
+        with rss.measure("restore"):
+            restore_times.append(barrier_timed(store.restore, engine, last)[0])
+
+        def materialize_and_load(rep=rep) -> None:
+            out = work / f"resume{rep}"
+            if rank == 0:
+                store.materialize(last, out, world_size=world)
+            dist.barrier()
+            engine.load_checkpoint(str(out))
+
+        mat_load_times.append(barrier_timed(materialize_and_load)[0])
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(work / f"resume{rep}")
+    store.close()
+
     if rank == 0:
         med = statistics.median
         rows = [
@@ -267,6 +293,12 @@ def main() -> int:
              None),
             ("cp -r of the DeepSpeed dir", cp_time, cp_time / ds_time, None, None),
             ("materialize (vs cp -r)", med(mat_times), med(mat_times) / cp_time, None, None),
+            ("DeepSpeed load_checkpoint of its own directory", med(load_times), 1.0, None, None),
+            ("restore (vs load_checkpoint)", med(restore_times), med(restore_times) / med(load_times), None, None),
+            ("materialize + load_checkpoint (vs load_checkpoint)", med(mat_load_times),
+             med(mat_load_times) / med(load_times), None, None),
+            ("restore (vs materialize + load_checkpoint)", med(restore_times),
+             med(restore_times) / med(mat_load_times), None, None),
         ]  # fmt: skip
         if gather_time is not None:
             rows.append(
@@ -282,7 +314,8 @@ def main() -> int:
             sec = "" if seconds is None else f"{seconds:.2f}"
             rat = "" if ratio is None else f"{ratio:.2f}x"
             print(f"| {name} | {sec} | {rat} | {nb} | {br} |")
-        print("\ntime ratios are against save_checkpoint, except materialize (against cp -r)")
+        print("\ntime ratios are against save_checkpoint, except materialize (against cp -r) and the resume "
+              "rows (as named)")  # fmt: skip
         model_bytes = param_count(engine.module) * 2
         for phase, peak in rss.peaks.items():
             print(f"peak extra RSS during {phase}: {peak / 1e6:.0f} MB ({peak / ds_bytes:.2f}x the DeepSpeed directory, "

@@ -79,6 +79,18 @@ def on_every_rank(what: str, fn: Callable[[], T]) -> list[T]:
     return [result[1] for result in gathered]
 
 
+def each_rank(what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank and return this rank's result; only whether it succeeded is
+    shared (a rank's result stays on that rank). Raises everywhere as ``on_every_rank``."""
+    kept: list[T] = []
+
+    def run() -> None:
+        kept.append(fn())
+
+    on_every_rank(what, run)
+    return kept[0]
+
+
 def on_rank_zero(what: str, fn: Callable[[], T]) -> T | None:
     """Run ``fn`` on rank 0 only; every rank returns (rank 0 gets fn's result) or raises together."""
     rank, size = world()

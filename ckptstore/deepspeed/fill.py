@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -37,6 +39,9 @@ class TensorSource(Protocol):
 
     def dtype(self, name: str, kind: str) -> torch.dtype | None:
         """The dtype of the stored tensor, known before reading it; None when none is stored."""
+
+    def span(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Elements ``[lo, hi)`` of the flattened tensor, reading only what covers them; None when none is stored."""
 
 
 # A segment kind of its own: the module weight, i.e. the fp32 master cast down and overlaid
@@ -83,8 +88,13 @@ def stored_tensor(tensors: TensorSource, name: str, kind: str) -> torch.Tensor:
     return found
 
 
+# Where a segment's elements go: given the segment and its elements of the stored tensor.
+Put = Callable[[Segment, torch.Tensor], None]
+
+
 class Filler:
-    """Writes the bytes of saved skeletons from a ``TensorSource``."""
+    """Writes the bytes of saved skeletons (``fill``), or fills placeholders in memory
+    (``fill_in_memory``), from a ``TensorSource``."""
 
     def __init__(self, holes: Placeholders, tensors: TensorSource, params: dict) -> None:
         self.holes = holes
@@ -93,7 +103,7 @@ class Filler:
 
     def fill(self, skeletons: list[tuple[Path, list[tuple[torch.UntypedStorage, int]]]]) -> None:
         """Write the bytes of every storage of the saved skeletons, a parameter per task."""
-        by_param: dict[str, list[tuple[int, int, Segment, torch.dtype]]] = defaultdict(list)
+        by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]] = defaultdict(list)
         fds = []
         try:
             for path, storages in skeletons:
@@ -105,64 +115,127 @@ class Filler:
                         pwrite_all(fd, storage_bytes(storage), offset)
                         continue
                     placeholder, segments = entry
+                    put = partial(_pwrite_segment, fd, offset, placeholder.dtype.itemsize)
                     for segment in segments:
-                        by_param[segment.name].append((fd, offset, segment, placeholder.dtype))
-            # Largest first, so no big parameter starts last while the other threads sit idle.
-            by_size = sorted(
-                by_param.items(), key=lambda item: -sum(s.length * d.itemsize for _, _, s, d in item[1])
-            )
-            with ThreadPoolExecutor(knobs.io_threads()) as pool:
-                tasks = [pool.submit(self.fill_parameter, name, targets) for name, targets in by_size]
-                try:
-                    for task in progress_bar(
-                        as_completed(tasks), total=len(tasks), desc="write", unit="param"
-                    ):
-                        task.result()
-                except BaseException:
-                    for task in tasks:
-                        task.cancel()
-                    raise
+                        by_param[segment.name].append((put, segment, placeholder.dtype))
+            self._run(by_param, whole=True)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def fill_parameter(self, name: str, targets: list[tuple[int, int, Segment, torch.dtype]]) -> None:
-        """Read ``name``'s stored tensors once each and write every segment that comes from them."""
-        by_kind: dict[str, list[tuple[int, int, Segment, torch.dtype]]] = defaultdict(list)
+    def fill_in_memory(self, objects: list, skip: Callable[[Segment], bool] = lambda segment: False) -> None:
+        """Fill the placeholders inside ``objects`` (the files one rank reads) in place, reading
+        only the elements their segments need (``TensorSource.span``); segments ``skip`` says
+        are left as they are. The other placeholders are never touched."""
+        by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]] = defaultdict(list)
+        for storage_ptr in _storages(objects):
+            entry = self.holes.segments.get(storage_ptr)
+            if entry is None:
+                continue
+            placeholder, segments = entry
+            put = partial(_copy_segment, placeholder.view(-1))
+            for segment in segments:
+                if not skip(segment):
+                    by_param[segment.name].append((put, segment, placeholder.dtype))
+        self._run(by_param, whole=False)
+
+    def _run(self, by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]], whole: bool) -> None:
+        # Largest first, so no big parameter starts last while the other threads sit idle.
+        by_size = sorted(
+            by_param.items(), key=lambda item: -sum(s.length * d.itemsize for _, s, d in item[1])
+        )
+        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+            tasks = [pool.submit(self.fill_parameter, name, targets, whole) for name, targets in by_size]
+            try:
+                for task in progress_bar(as_completed(tasks), total=len(tasks), desc="write", unit="param"):
+                    task.result()
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                raise
+
+    def fill_parameter(
+        self, name: str, targets: list[tuple[Put, Segment, torch.dtype]], whole: bool = True
+    ) -> None:
+        """Read ``name``'s stored tensors once each (all of each, or with ``whole`` False only the
+        span its segments cover) and put every segment that comes from them."""
+        by_kind: dict[str, list[tuple[Put, Segment, torch.dtype]]] = defaultdict(list)
         for target in targets:
-            by_kind[target[2].kind].append(target)
-        master = None
+            by_kind[target[1].kind].append(target)
+        master, master_base = None, 0
         # One kind at a time, so a task holds at most two of them: the fp32 master first, then
         # the module weight cast from it, then the rest.
         for kind in sorted(by_kind, key=lambda k: (k != FP32, k != MODULE)):
+            segments = [segment for _, segment, _ in by_kind[kind]]
+            lo = 0 if whole else min(s.source_start for s in segments)
+            hi = None if whole else max(s.source_start + s.length for s in segments)
             if kind == MODULE:
-                source = self.module_weight(name, self.tensor(name, FP32) if master is None else master)
+                if master is None or (
+                    hi is not None and (master_base > lo or master_base + master.numel() < hi)
+                ):
+                    master, master_base = self.tensor(name, FP32, lo, hi), lo
+                source, base = self.module_weight(name, master, master_base), master_base
                 master = None
             else:
-                source = self.tensor(name, kind).reshape(-1)
+                source, base = self.tensor(name, kind, lo, hi), lo
                 if kind == FP32 and MODULE in by_kind:
-                    master = source
-            for fd, offset, segment, dtype in by_kind[kind]:
+                    master, master_base = source, base
+            for put, segment, dtype in by_kind[kind]:
                 if source.dtype != dtype:
                     raise CorruptError(
                         f"{name} {kind} is stored as {source.dtype}, the checkpoint needs {dtype}"
                     )
                 end = segment.source_start + segment.length
-                if end > source.numel():
-                    raise CorruptError(f"{name} {kind} holds {source.numel()} elements, {end} are needed")
-                pwrite_all(
-                    fd,
-                    raw_bytes(source[segment.source_start : end]),
-                    offset + segment.target_start * dtype.itemsize,
-                )
+                if end - base > source.numel():
+                    raise CorruptError(
+                        f"{name} {kind} holds {base + source.numel()} elements, {end} are needed"
+                    )
+                put(segment, source[segment.source_start - base : end - base])
 
-    def module_weight(self, name: str, master: torch.Tensor) -> torch.Tensor:
-        """The flat module weight: ``master`` cast down, overlaid with any weight stored apart."""
+    def module_weight(self, name: str, master: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """The flat module weight from element ``base`` on: ``master`` (those elements of the fp32
+        master) cast down, overlaid with any weight stored apart."""
         fragments = self._tensors.fragments(name, WEIGHT)
         weight = master.reshape(-1).to(DTYPES[self.params[name]["dtype"]], copy=bool(fragments))
         for start, fragment in fragments:
-            weight[start : start + fragment.numel()] = fragment.reshape(-1)
+            first, last = max(start, base), min(start + fragment.numel(), base + weight.numel())
+            if first < last:
+                weight[first - base : last - base] = fragment.reshape(-1)[first - start : last - start]
         return weight
 
-    def tensor(self, name: str, kind: str) -> torch.Tensor:
-        return stored_tensor(self._tensors, name, kind)
+    def tensor(self, name: str, kind: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """The flat ``kind`` of ``name`` (whole, or elements ``[lo, hi)``); CorruptError if none is stored."""
+        if hi is None:
+            return stored_tensor(self._tensors, name, kind).reshape(-1)
+        found = self._tensors.span(name, kind, lo, hi)
+        if found is None:
+            raise CorruptError(f"the store holds no {kind} tensor for {name}")
+        return found
+
+
+def _pwrite_segment(fd: int, offset: int, itemsize: int, segment: Segment, data: torch.Tensor) -> None:
+    pwrite_all(fd, raw_bytes(data), offset + segment.target_start * itemsize)
+
+
+def _copy_segment(placeholder: torch.Tensor, segment: Segment, data: torch.Tensor) -> None:
+    placeholder[segment.target_start : segment.target_start + segment.length] = data
+
+
+def _storages(obj) -> set[int]:
+    """The storage addresses of every tensor inside ``obj`` (dicts, lists, tuples, objects' attributes)."""
+    found: set[int] = set()
+    stack, seen = [obj], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            found.add(item.untyped_storage().data_ptr())
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple | set):
+            stack.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            stack.extend(vars(item).values())
+    return found

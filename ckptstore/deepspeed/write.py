@@ -300,35 +300,50 @@ class _Writer:
 
     # -- files -----------------------------------------------------------------------------
 
-    def write(self, tag_dir: Path) -> list[Path]:
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        files: list[tuple[Path, object]] = []
+    def files(self) -> list[tuple[str, object, int | None]]:
+        """Every file of the checkpoint: its name, its object (placeholders where stored tensors
+        go) and the rank that reads it (None: every rank)."""
+        files: list[tuple[str, object, int | None]] = []
         module = self.module()
         ds_config = self.d["model_state"].get("ds_config")
         ds_version = self.d["model_state"].get("ds_version")
         prefix = "bf16_" if self.d["bf16"] else ""
-
-        def save(obj, name: str) -> None:
-            files.append((tag_dir / name, obj))
-
         if self.flavour in (ZERO12, BF16_OPTIMIZER, ZERO3):
             optim_files = self.zero3_files() if self.flavour == ZERO3 else self.zero12_files()
             for r, osd in enumerate(optim_files):
-                save(
-                    {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
+                files.append((
                     f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
-                )
+                    {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
+                    r,
+                ))  # fmt: skip
             if self.flavour == ZERO3:
                 for r in range(self.world_size):
-                    save(self.model_state(r, module, None), f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+                    files.append(
+                        (f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", self.model_state(r, module, None), r)
+                    )
             else:
-                save(self.model_state(0, module, None), "mp_rank_00_model_states.pt")
+                files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, None), None))
         else:
             optimizer = self.basic_optimizer() if self.flavour == BASIC else self.fp16_optimizer()
-            save(self.model_state(0, module, optimizer), "mp_rank_00_model_states.pt")
+            files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, optimizer), None))
+        return files
+
+    def write(self, tag_dir: Path) -> list[Path]:
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        files = [(tag_dir / name, obj) for name, obj, _ in self.files()]
         filler = Filler(self.holes, self._tensors, self.params)
         filler.fill([(path, save_skeleton(obj, path)) for path, obj in files])
         return [path for path, _ in files]
+
+    def rank_files(self, rank: int, skip_module_weights: bool) -> dict[str, object]:
+        """The files ``rank`` reads, by name, with their stored tensors filled in memory; the
+        other files' names map to None. ``skip_module_weights`` leaves module weights that are
+        fp32 masters cast down unread (the engine derives them from the masters it loads)."""
+        files = self.files()
+        own = [obj for _, obj, reader in files if reader in (None, rank)]
+        skip = (lambda segment: segment.kind == MODULE) if skip_module_weights else (lambda segment: False)
+        Filler(self.holes, self._tensors, self.params).fill_in_memory(own, skip)
+        return {name: obj if reader in (None, rank) else None for name, obj, reader in files}
 
 
 def write_checkpoint(
@@ -347,6 +362,16 @@ def write_checkpoint(
         _copy_recovery_scripts(out_dir)
     (out_dir / "latest").write_text(tag)
     return written
+
+
+def rank_files(
+    description: dict, tensors: TensorSource, world_size: int, rank: int, *, skip_module_weights: bool
+) -> dict[str, object | None]:
+    """The checkpoint files ``rank`` of a job of ``world_size`` ranks reads, built in memory:
+    file name -> its object with the stored tensors in it, None for the files other ranks read.
+    Only the elements of stored tensors those files hold are read from ``tensors``.
+    ``skip_module_weights`` leaves the module weights that are fp32 masters cast down unread."""
+    return _Writer(description, tensors, world_size).rank_files(rank, skip_module_weights)
 
 
 def _copy_recovery_scripts(out_dir: Path) -> None:

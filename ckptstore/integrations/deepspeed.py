@@ -10,10 +10,10 @@ naming the store and the step. DeepSpeed still writes ``latest``. So code that c
 
 Loading reads files by name from the directory before any ``CheckpointEngine.load``, so
 ``attach`` wraps the engine's ``load_checkpoint`` instead: a tag folder holding
-``ckptstore.json`` is materialized from the store (for the job's current world size) into a
-private temporary directory on each rank and loaded from there by DeepSpeed itself, so every
-``load_checkpoint`` option behaves as it does for DeepSpeed's own files. Any other directory
-loads as before.
+``ckptstore.json`` is restored straight from the store (``Store.restore``: each rank reads only
+its share, at the job's current world size). With a ``load_checkpoint`` option restore does not
+take, the step is instead materialized into a private temporary directory on each rank and
+loaded from there by DeepSpeed itself. Any other directory loads as before.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from ..opening import open as open_store
 from ..store import Store
 
 MARKER = "ckptstore.json"
+# The load_checkpoint options restore takes; with any other, the step is materialized and loaded.
+_RESTORE_OPTIONS = {"load_optimizer_states", "load_lr_scheduler_states", "load_module_only"}
 # Model-states entries that are engine state rather than client state (extract reads those live).
 _ENGINE_ENTRIES = {"module", "optimizer"}
 
@@ -195,6 +197,10 @@ def _load_from_store(engine: Any, store: Store | None, original_load, marker: Pa
     if store is not None:
         store.wait()  # a non-blocking commit in flight may be the step asked for
     source = store if store is not None and uri == store.objects.uri else open_store(uri, create=False)
+    if set(options) <= _RESTORE_OPTIONS:
+        # Straight from the store: each rank reads only its own share.
+        _, client_state = source.restore(engine, step, **options)
+        return str(marker.parent), client_state
     with tempfile.TemporaryDirectory(prefix="ckptstore-load-") as scratch:
         # Each rank materializes on its own: no directory has to be shared between machines.
         out = source.materialize(step, Path(scratch) / "checkpoint", world_size=engine.dp_world_size, tag=tag)

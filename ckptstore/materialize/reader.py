@@ -62,12 +62,21 @@ def fetch_pack(
 
 def fetch_pack_index(objects: ObjectStore, ref: PackRef) -> dict[tuple[str, str, int], pack.Entry]:
     """The entries of pack ``ref`` by (name, kind, start), from its first bytes, verified against its key."""
+    return fetch_pack_head(objects, ref)[0]
+
+
+def fetch_pack_head(
+    objects: ObjectStore, ref: PackRef
+) -> tuple[dict[tuple[str, str, int], pack.Entry], bytes]:
+    """``fetch_pack_index``, plus the bytes that first read got (the index and whatever entries
+    follow it within them), so that those entries need no read of their own."""
     name = pack_name(ref.key)
     head = objects.get_range(name, 0, min(ref.size, _HEAD_GUESS))
     needed = pack.PREAMBLE.size + pack.index_length(head)
     if needed > len(head):
         head = objects.get_range(name, 0, needed)
-    return {(e.name, e.kind, e.start): e for e in pack.parse_index(head, ref.key)}
+    entries = {(e.name, e.kind, e.start): e for e in pack.parse_index(head, ref.key)}
+    return entries, head
 
 
 class _SharedBlobs:
@@ -182,26 +191,37 @@ class StepReader:
         with self._cpu:
             return decode(data)
 
-    def _fetch_index(self, key: str) -> dict:
+    def _fetch_index(self, key: str) -> tuple[dict, bytes]:
         with self._naming(f"pack {key} ({self._pack_where(key)})"):
             if self._objects.reads_are_local:  # a local read is CPU work (see _read)
                 with self._cpu:
-                    return fetch_pack_index(self._objects, self._refs[key])
-            return fetch_pack_index(self._objects, self._refs[key])
+                    return fetch_pack_head(self._objects, self._refs[key])
+            return fetch_pack_head(self._objects, self._refs[key])
 
-    def _packed_fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
+    def _packed_fragments(
+        self, name: str, kind: str, lo: int = 0, hi: int | None = None
+    ) -> list[tuple[int, torch.Tensor]]:
         _, fragments, index = self._packed[(name, kind)]
+        if hi is not None:  # only those overlapping [lo, hi)
+            fragments = fragments[
+                (fragments[:, START] < hi) & (fragments[:, START] + fragments[:, NUMEL] > lo)
+            ]
         out = []
         for row in fragments:
             ref = index.packs[row[PACK]]
-            entry = self._indexes.get(ref.key).get((name, kind, int(row[START])))
+            entries, head = self._indexes.get(ref.key)
+            entry = entries.get((name, kind, int(row[START])))
             with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
                 if entry is None:
                     raise CorruptError(f"its index has no {name} {kind} from element {row[START]}")
-                tensor = self._read(
-                    partial(self._objects.get_range, pack_name(ref.key), entry.offset, entry.length),
-                    partial(pack.decode_entry, entry=entry),
-                )
+                if entry.offset + entry.length <= len(head):  # read with the index already
+                    with self._cpu:
+                        tensor = pack.decode_entry(memoryview(head)[entry.offset :], entry)
+                else:
+                    tensor = self._read(
+                        partial(self._objects.get_range, pack_name(ref.key), entry.offset, entry.length),
+                        partial(pack.decode_entry, entry=entry),
+                    )
                 if tensor.numel() != row[NUMEL]:
                     raise CorruptError(f"its {name} {kind} has {tensor.numel()} elements, not {row[NUMEL]}")
             out.append((int(row[START]), tensor))
@@ -243,6 +263,28 @@ class StepReader:
         if (name, kind) in self._packed:
             return [(start, tensor.reshape(-1)) for start, tensor in self._packed_fragments(name, kind)]
         return [(row.start, self._blobs.get(row.blob).reshape(-1)) for row in self.rows.get((name, kind), [])]
+
+    def span(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Elements ``[lo, hi)`` of the flattened ``kind`` of ``name``, reading only the stored
+        fragments that overlap them (what one rank's partition needs), or None if none is stored.
+        CorruptError if the stored fragments leave a gap in the range."""
+        if (name, kind) in self._packed:
+            fragments = self._packed_fragments(name, kind, lo, hi)
+        else:
+            rows = [r for r in self.rows.get((name, kind), []) if r.start < hi and r.start + r.numel > lo]
+            fragments = [(r.start, self._blobs.get(r.blob).reshape(-1)) for r in rows]
+        if not fragments:
+            return None if hi > lo else torch.empty(0, dtype=self.dtype(name, kind))
+        out = torch.empty(hi - lo, dtype=fragments[0][1].dtype)
+        covered = 0
+        for start, fragment in fragments:
+            flat = fragment.reshape(-1)
+            first, last = max(lo, start), min(hi, start + flat.numel())
+            out[first - lo : last - lo] = flat[first - start : last - start]
+            covered += last - first
+        if covered != hi - lo:
+            raise CorruptError(f"stored fragments of {name} {kind} cover {covered} of elements {lo}..{hi}")
+        return out
 
     def __call__(self, name: str, kind: str) -> torch.Tensor | None:
         """The whole ``kind`` of ``name`` in its own shape, assembled from its fragments, or None."""

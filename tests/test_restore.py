@@ -1,0 +1,120 @@
+"""``store.restore``: a step straight into a live engine, as ``load_checkpoint`` of its
+materialized directory would leave it, each rank reading only its share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import NotFoundError, WeightsOnlyError
+from tools.engines import batches, build_engine, destroy_engine, train
+
+DATA = batches(6)
+CONFIGS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+    """Every tensor of the engine's optimizer state dict (the fp32 masters and Adam moments)."""
+    found = {}
+
+    def walk(prefix, item):
+        if isinstance(item, torch.Tensor):
+            found[prefix] = item
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                walk(f"{prefix}/{key}", value)
+        elif isinstance(item, list | tuple):
+            for i, value in enumerate(item):
+                walk(f"{prefix}/{i}", value)
+
+    walk("", engine.optimizer.state_dict())
+    return found
+
+
+@pytest.mark.parametrize("stage,dtype", CONFIGS, ids=[f"zero{s}-{d}" for s, d in CONFIGS])
+def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(tmp_path, stage, dtype):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
+    train(engine, DATA[:3])
+    store.commit(engine, 3, client_state={"epoch": 7})
+    destroy_engine(engine)
+
+    loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2)
+    _, client = loaded.load_checkpoint(str(store.materialize(3, tmp_path / "out")))
+    restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2)
+    step, restored_client = store.restore(restored)
+    assert step == 3 and restored_client["epoch"] == client["epoch"] == 7
+    assert restored.global_steps == loaded.global_steps == 3
+    assert restored.lr_scheduler.state_dict() == loaded.lr_scheduler.state_dict()
+    theirs, ours = optimizer_tensors(loaded), optimizer_tensors(restored)
+    assert theirs.keys() == ours.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert train(restored, DATA[3:]) == train(loaded, DATA[3:])
+    destroy_engine(loaded)
+    destroy_engine(restored)
+
+
+def test_restore_takes_a_step_the_load_options_and_refuses_what_it_cannot_restore(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    with pytest.raises(NotFoundError, match="no committed step"):
+        store.restore(engine)
+    for step in (1, 2, 3):
+        train(engine, DATA[step - 1 : step])
+        store.commit(engine, step)
+    module_only = build_engine("llama", zero_stage=2, dtype="bf16", seed=3, num_layers=2)
+    assert store.restore(module_only, 2, load_module_only=True)[0] == 2
+    reference = build_engine("llama", zero_stage=2, dtype="bf16", seed=4, num_layers=2)
+    reference.load_checkpoint(str(store.materialize(2, tmp_path / "out")), load_module_only=True)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(module_only.module.parameters(), reference.module.parameters(), strict=True)
+    )
+    assert module_only.global_steps == reference.global_steps == 0  # only the module was loaded
+    store.gc(keep_last=1, keep_weights_every=2, grace=0)
+    with pytest.raises(WeightsOnlyError):
+        store.restore(module_only, 2)
+    for e in (engine, module_only, reference):
+        destroy_engine(e)
+
+
+def test_restore_across_world_sizes_1_to_2_2_to_2_and_2_to_1(tmp_path):
+    from tests.test_many_ranks import torchrun
+
+    for stage, dtype in CONFIGS:  # the one-rank commits the two-rank job restores
+        engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
+        train(engine, DATA[:3])
+        ckptstore.open(tmp_path / f"zero{stage}-{dtype}" / "store1").commit(engine, 3)
+        destroy_engine(engine)
+    for rank, observed in enumerate(torchrun("restore", tmp_path)):
+        assert len(observed) == 2 * len(CONFIGS)
+        for case, run in observed.items():
+            assert run["step"] == 3 and run["optimizer_equal"], (rank, case)
+            assert run["restored"] == run["loaded"], (rank, case)
+    for stage, dtype in CONFIGS:  # 2 -> 1
+        store = ckptstore.open(tmp_path / f"zero{stage}-{dtype}" / "store2")
+        loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2)
+        loaded.load_checkpoint(str(store.materialize(3, tmp_path / f"w1-{stage}-{dtype}", world_size=1)))
+        restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2)
+        assert store.restore(restored)[0] == 3
+        theirs, ours = optimizer_tensors(loaded), optimizer_tensors(restored)
+        assert theirs.keys() == ours.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs), (
+            stage,
+            dtype,
+        )
+        assert train(restored, DATA[3:]) == train(loaded, DATA[3:]), (stage, dtype)
+        destroy_engine(loaded)
+        destroy_engine(restored)
+
+
+def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_leaves_the_engines_untouched(tmp_path):
+    from tests.test_many_ranks import torchrun
+
+    rank0, rank1 = torchrun("restore_fail", tmp_path)
+    unchanged = " (the engine is unchanged)"
+    assert (
+        rank0["outcome"]
+        == "StorageError: restore of step 3 failed on rank 1: injected: disk on fire" + unchanged
+    )
+    assert rank1["outcome"] == "StorageError: injected: disk on fire" + unchanged
+    assert rank0["untouched"] and rank1["untouched"] and rank0["global_steps"] == rank1["global_steps"] == 0
