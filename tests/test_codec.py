@@ -202,3 +202,17 @@ def test_arbitrary_bytes_after_a_valid_header_never_crash(data):
         codec.decode(blob[: header.header_size] + data)
     except CorruptError:
         pass
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_decode_into_fills_a_given_tensor_as_decode_would(name):
+    tensor, key, pinned = GOLDEN[name]
+    blob = bytes.fromhex(pinned)
+    host = torch.full((tensor.numel() + 4,), -1, dtype=tensor.dtype)
+    codec.decode_into(blob, key, host[2 : 2 + tensor.numel()])  # a slice of a bigger tensor
+    assert torch.equal(host[2 : 2 + tensor.numel()], tensor.reshape(-1))
+    assert (host[:2] == -1).all() and (host[-2:] == -1).all()
+    with pytest.raises(CorruptError, match="does not fit"):
+        codec.decode_into(blob, key, torch.empty(tensor.numel() + 1, dtype=tensor.dtype))
+    with pytest.raises(CorruptError, match="does not hash"):
+        codec.decode_into(blob, "0" * 32, torch.empty(tensor.numel(), dtype=tensor.dtype))

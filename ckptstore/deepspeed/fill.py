@@ -133,7 +133,7 @@ class Filler:
             if entry is None:
                 continue
             placeholder, segments = entry
-            put = partial(_copy_segment, placeholder.view(-1))
+            put = _CopyInto(placeholder.view(-1))
             for segment in segments:
                 if not skip(segment):
                     by_param[segment.name].append((put, segment, placeholder.dtype))
@@ -166,6 +166,10 @@ class Filler:
         # One kind at a time, so a task holds at most two of them: the fp32 master first, then
         # the module weight cast from it, then the rest.
         for kind in sorted(by_kind, key=lambda k: (k != FP32, k != MODULE)):
+            if not whole and kind != MODULE and not (kind == FP32 and MODULE in by_kind):
+                by_kind[kind] = [t for t in by_kind[kind] if not self._read_into(name, kind, *t)]
+                if not by_kind[kind]:
+                    continue
             segments = [segment for _, segment, _ in by_kind[kind]]
             lo = 0 if whole else min(s.source_start for s in segments)
             hi = None if whole else max(s.source_start + s.length for s in segments)
@@ -192,6 +196,15 @@ class Filler:
                     )
                 put(segment, source[segment.source_start - base : end - base])
 
+    def _read_into(self, name: str, kind: str, put: Put, segment: Segment, dtype: torch.dtype) -> bool:
+        """Decode a stored fragment that is exactly ``segment`` straight into its placeholder
+        (``fill_in_memory`` only); False when none is, or the source cannot do it."""
+        read_into = getattr(self._tensors, "read_into", None)
+        if not isinstance(put, _CopyInto) or read_into is None or put.placeholder.dtype != dtype:
+            return False
+        out = put.placeholder[segment.target_start : segment.target_start + segment.length]
+        return read_into(name, kind, segment.source_start, out)
+
     def module_weight(self, name: str, master: torch.Tensor, base: int = 0) -> torch.Tensor:
         """The flat module weight from element ``base`` on: ``master`` (those elements of the fp32
         master) cast down, overlaid with any weight stored apart."""
@@ -217,8 +230,14 @@ def _pwrite_segment(fd: int, offset: int, itemsize: int, segment: Segment, data:
     pwrite_all(fd, raw_bytes(data), offset + segment.target_start * itemsize)
 
 
-def _copy_segment(placeholder: torch.Tensor, segment: Segment, data: torch.Tensor) -> None:
-    placeholder[segment.target_start : segment.target_start + segment.length] = data
+class _CopyInto:
+    """Puts segments into a placeholder in memory (``fill_in_memory``)."""
+
+    def __init__(self, placeholder: torch.Tensor) -> None:
+        self.placeholder = placeholder
+
+    def __call__(self, segment: Segment, data: torch.Tensor) -> None:
+        self.placeholder[segment.target_start : segment.target_start + segment.length] = data
 
 
 def _storages(obj) -> set[int]:

@@ -182,9 +182,11 @@ def _unzstd(frame: memoryview, size: int, what: str) -> bytes:
     return _decompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
 
 
-def _decode_planes(payload: memoryview, itemsize: int, raw_size: int) -> np.ndarray:
+def _decode_planes(
+    payload: memoryview, itemsize: int, raw_size: int, out: np.ndarray | None = None
+) -> np.ndarray:
     count = raw_size // itemsize
-    out = np.empty((count, itemsize), dtype=np.uint8)
+    out = np.empty((count, itemsize), dtype=np.uint8) if out is None else out.reshape(count, itemsize)
     offset = 0
     for i in range(itemsize):
         compressed, length = struct.unpack_from("<BQ", payload, offset)
@@ -266,6 +268,37 @@ def decode(blob: bytes | memoryview, key: str | None = None) -> torch.Tensor:
     if key is not None and tensor_key(tensor) != key:
         raise CorruptError(f"blob content does not hash to its key {key}")
     return tensor
+
+
+def decode_into(blob: bytes | memoryview, key: str, out: torch.Tensor) -> None:
+    """Decode blob bytes straight into ``out`` (contiguous, of the blob's dtype and element
+    count, any shape) and verify them against ``key``: ``decode`` without allocating.
+
+    Raises CorruptError as ``decode`` does, and if ``out`` does not fit the blob.
+    """
+    info = parse_header(blob)
+    payload = memoryview(blob)[info.header_size :]
+    dtype = DTYPES[info.dtype]
+    if out.dtype != dtype or out.numel() * dtype.itemsize != info.raw_size or not out.is_contiguous():
+        raise CorruptError(
+            f"blob of {info.raw_size} bytes of {info.dtype} does not fit {out.numel()} x {out.dtype}"
+        )
+    target = out.reshape(-1).view(torch.uint8).numpy()
+    try:
+        if info.codec == ZSTD_PLANES:
+            _decode_planes(payload, dtype.itemsize, info.raw_size, out=target)
+        else:
+            raw = np.frombuffer(
+                payload if info.codec == RAW else _unzstd(payload, info.raw_size, "the blob payload"),
+                dtype=np.uint8,
+            )
+            if raw.size != info.raw_size:
+                raise CorruptError(f"blob payload holds {raw.size} bytes, header says {info.raw_size}")
+            target[:] = raw.reshape(dtype.itemsize, -1).T.reshape(-1) if info.codec == ZSTD_GROUPED else raw
+    except (zstandard.ZstdError, struct.error) as exc:
+        raise CorruptError(f"blob payload does not decode: {exc}") from None
+    if tensor_key(out.reshape(info.shape)) != key:
+        raise CorruptError(f"blob content does not hash to its key {key}")
 
 
 def decompress_frame(data: bytes, max_size: int) -> bytes:

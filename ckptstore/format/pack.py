@@ -156,6 +156,14 @@ def decode_entry(data: bytes | memoryview, entry: Entry) -> torch.Tensor:
     return codec.decode(blob, entry.key)
 
 
+def decode_entry_into(data: bytes | memoryview, entry: Entry, out: torch.Tensor) -> None:
+    """``decode_entry`` straight into ``out`` (see ``codec.decode_into``)."""
+    blob = memoryview(data)[: entry.length]
+    if len(blob) != entry.length:
+        raise CorruptError(f"pack entry {entry.name} {entry.kind} is truncated")
+    codec.decode_into(blob, entry.key, out)
+
+
 def decode(data: bytes | memoryview, key: str | None = None) -> list[tuple[Entry, torch.Tensor]]:
     """Every entry of a whole pack with its verified tensor; the pack must end after its last."""
     view = memoryview(data)

@@ -264,6 +264,31 @@ class StepReader:
             return [(start, tensor.reshape(-1)) for start, tensor in self._packed_fragments(name, kind)]
         return [(row.start, self._blobs.get(row.blob).reshape(-1)) for row in self.rows.get((name, kind), [])]
 
+    def read_into(self, name: str, kind: str, start: int, out: torch.Tensor) -> bool:
+        """Decode the stored fragment of ``kind`` of ``name`` that is exactly elements
+        ``[start, start + out.numel())`` straight into ``out`` (contiguous), verified; False
+        (nothing read) when no stored fragment is exactly that. Saves a copy of a rank's own share."""
+        found = self._packed.get((name, kind))
+        if found is None:
+            return False
+        _, fragments, index = found
+        match = fragments[(fragments[:, START] == start) & (fragments[:, NUMEL] == out.numel())]
+        if len(match) != 1:
+            return False
+        ref = index.packs[match[0][PACK]]
+        entries, head = self._indexes.get(ref.key)
+        entry = entries.get((name, kind, start))
+        with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
+            if entry is None:
+                raise CorruptError(f"its index has no {name} {kind} from element {start}")
+            if entry.offset + entry.length <= len(head):
+                data = memoryview(head)[entry.offset :]
+            else:
+                data = self._objects.get_range(pack_name(ref.key), entry.offset, entry.length)
+            with self._cpu:
+                pack.decode_entry_into(data, entry, out)
+        return True
+
     def span(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
         """Elements ``[lo, hi)`` of the flattened ``kind`` of ``name``, reading only the stored
         fragments that overlap them (what one rank's partition needs), or None if none is stored.
@@ -275,6 +300,9 @@ class StepReader:
             fragments = [(r.start, self._blobs.get(r.blob).reshape(-1)) for r in rows]
         if not fragments:
             return None if hi > lo else torch.empty(0, dtype=self.dtype(name, kind))
+        if len(fragments) == 1 and fragments[0][0] <= lo and fragments[0][0] + fragments[0][1].numel() >= hi:
+            start, fragment = fragments[0]  # one fragment holds it all (a rank's own share): no copy
+            return fragment.reshape(-1)[lo - start : hi - start]
         out = torch.empty(hi - lo, dtype=fragments[0][1].dtype)
         covered = 0
         for start, fragment in fragments:
