@@ -2,8 +2,9 @@
 
     python tools/demo.py [--workdir DIR]
 
-Prints the losses of the uninterrupted run and of the run resumed from the materialized
-checkpoint; exits non-zero unless they are bit-identical.
+Prints the losses of the uninterrupted run, of the run resumed from the materialized
+checkpoint and of one restored straight from the store; exits non-zero unless they are
+bit-identical. Then exports the step's weights as a Hugging Face safetensors folder.
 """
 
 from __future__ import annotations
@@ -55,10 +56,18 @@ def main() -> int:
     resumed.load_checkpoint(str(out))
     loaded_step = resumed.global_steps
     again = train(resumed, data[6:])
+    restored = build_engine("llama", zero_stage=2, dtype="bf16", seed=4321, num_layers=4)
+    restored_step, _ = store.restore(restored)  # the newest step, no directory in between
+    again_restored = train(restored, data[6:])
     print(f"materialized step 6 at {out}")
     print(f"  uninterrupted losses: {uninterrupted}")
     print(f"  resumed losses:       {again}")
-    ok = loaded_step == 6 and again == uninterrupted
+    print(f"  restored losses:      {again_restored} (store.restore, step {restored_step})")
+    exported = store.export(6, workdir / "hf-model")
+    print(f"exported step 6's weights ({exported.dtype}, {exported.tensors} tensors) to {exported.path}")
+    ok = (
+        loaded_step == 6 and again == uninterrupted and restored_step == 6 and again_restored == uninterrupted
+    )
     print("losses match bit for bit" if ok else "MISMATCH: resumed training differs")
     finalize_distributed()
     return 0 if ok else 1
