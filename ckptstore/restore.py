@@ -19,7 +19,7 @@ from typing import Any
 
 from .catalog import Catalog
 from .commit import ranks
-from .errors import CkptStoreError, NotFoundError, StorageError
+from .errors import BadInputError, CkptStoreError, NotFoundError, StorageError
 from .materialize import compose
 from .materialize.directory import check_resumable, step_reader
 from .objects import ObjectStore
@@ -38,7 +38,7 @@ def restore(
     ``Store.restore`` documents, with ``options`` (``load_optimizer_states``,
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
     Returns ``(step, client_state)``."""
-    from .deepspeed.extract import optimizer_flavour
+    from .deepspeed.extract import check_engine, dp_rank, optimizer_flavour
     from .deepspeed.load import derives_module_weights, load_from_memory
     from .deepspeed.write import rank_files
 
@@ -54,15 +54,25 @@ def restore(
 
     chosen = ranks.on_every_rank("restore", choose)[0]  # rank 0's answer, for every rank
     what = f"restore of step {chosen}"
-    rank, world_size = ranks.world()
+    rank = ranks.world()[0]
 
     def read_share() -> tuple[dict, bool]:
+        flavour = optimizer_flavour(engine)
+        check_engine(engine, flavour)
         state, sources = compose.step_or_spec(chosen if spec is None else None, spec, catalog, "restore")
         check_resumable(catalog, state, sources)
         description = json.loads(catalog.description(state))
-        derive = derives_module_weights(engine, optimizer_flavour(engine), options)
+        if (description["flavour"], description["zero_stage"]) != (flavour, engine.zero_optimization_stage()):
+            raise BadInputError(
+                f"step {state} was committed by a ZeRO-{description['zero_stage']} engine "
+                f"({description['flavour']}); this one runs ZeRO-{engine.zero_optimization_stage()} ({flavour})"
+            )
+        derive = derives_module_weights(engine, flavour, options)
         reader = step_reader(objects, catalog, state, description, sources)
-        return rank_files(description, reader, engine.dp_world_size, rank, skip_module_weights=derive), derive
+        files = rank_files(
+            description, reader, engine.dp_world_size, dp_rank(engine), skip_module_weights=derive
+        )
+        return files, derive
 
     try:
         files, derive = ranks.each_rank(what, read_share)

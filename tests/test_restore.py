@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.errors import NotFoundError, WeightsOnlyError
+from ckptstore.errors import BadInputError, NotFoundError, WeightsOnlyError
 from tools.engines import batches, build_engine, destroy_engine, train
 
 DATA = batches(6)
@@ -71,6 +71,10 @@ def test_restore_takes_a_step_the_load_options_and_refuses_what_it_cannot_restor
         for a, b in zip(module_only.module.parameters(), reference.module.parameters(), strict=True)
     )
     assert module_only.global_steps == reference.global_steps == 0  # only the module was loaded
+    other_stage = build_engine("llama", zero_stage=3, dtype="bf16", seed=5, num_layers=2)
+    with pytest.raises(BadInputError, match="committed by a ZeRO-2 engine.*this one runs ZeRO-3.*unchanged"):
+        store.restore(other_stage, 3)
+    destroy_engine(other_stage)
     store.gc(keep_last=1, keep_weights_every=2, grace=0)
     with pytest.raises(WeightsOnlyError):
         store.restore(module_only, 2)

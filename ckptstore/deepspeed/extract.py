@@ -56,7 +56,9 @@ def optimizer_flavour(engine: Any) -> str:
     )
 
 
-def _check_engine(engine: Any, flavour: str) -> None:
+def check_engine(engine: Any, flavour: str) -> None:
+    """UnsupportedError for engines ckptstore cannot store or restore faithfully (model or
+    pipeline parallelism, elastic checkpoints, parameter-alignment padding)."""
     if getattr(engine, "mp_world_size", 1) != 1:
         raise UnsupportedError(
             f"model parallelism (mp_world_size={engine.mp_world_size}) is not supported yet; "
@@ -70,7 +72,8 @@ def _check_engine(engine: Any, flavour: str) -> None:
         raise UnsupportedError("zero_optimization.parameter_alignment padding is not supported")
 
 
-def _dp_rank(engine: Any) -> int:
+def dp_rank(engine: Any) -> int:
+    """The engine's rank in its data-parallel group (0 without torch.distributed)."""
     group = getattr(engine.optimizer, "dp_process_group", None)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(group=group)
@@ -210,7 +213,7 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     Raises UnsupportedError for engines or optimizers ckptstore cannot store faithfully.
     """
     flavour = optimizer_flavour(engine)
-    _check_engine(engine, flavour)
+    check_engine(engine, flavour)
     zero = flavour in (ZERO12, BF16_OPTIMIZER, ZERO3)
     stage = engine.zero_optimization_stage()
     save_frozen = engine.zero_optimization_partition_gradients()
@@ -218,7 +221,7 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     model_state = engine._common_checkpoint_state(module, zero, save_frozen)
     model_state.update(client_state or {})
     osd = engine.optimizer.state_dict() if zero else model_state["optimizer"]
-    rank = _dp_rank(engine)
+    rank = dp_rank(engine)
     world_size = model_state["dp_world_size"]
 
     pieces: list[Piece] = []

@@ -118,7 +118,7 @@ class Filler:
                     put = partial(_pwrite_segment, fd, offset, placeholder.dtype.itemsize)
                     for segment in segments:
                         by_param[segment.name].append((put, segment, placeholder.dtype))
-            self._run(by_param, whole=True)
+            self._run(by_param, whole=True, desc="write")
         finally:
             for fd in fds:
                 os.close(fd)
@@ -137,9 +137,11 @@ class Filler:
             for segment in segments:
                 if not skip(segment):
                     by_param[segment.name].append((put, segment, placeholder.dtype))
-        self._run(by_param, whole=False)
+        self._run(by_param, whole=False, desc="restore")
 
-    def _run(self, by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]], whole: bool) -> None:
+    def _run(
+        self, by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]], whole: bool, desc: str
+    ) -> None:
         # Largest first, so no big parameter starts last while the other threads sit idle.
         by_size = sorted(
             by_param.items(), key=lambda item: -sum(s.length * d.itemsize for _, s, d in item[1])
@@ -147,7 +149,7 @@ class Filler:
         with ThreadPoolExecutor(knobs.io_threads()) as pool:
             tasks = [pool.submit(self.fill_parameter, name, targets, whole) for name, targets in by_size]
             try:
-                for task in progress_bar(as_completed(tasks), total=len(tasks), desc="write", unit="param"):
+                for task in progress_bar(as_completed(tasks), total=len(tasks), desc=desc, unit="param"):
                     task.result()
             except BaseException:
                 for task in tasks:
