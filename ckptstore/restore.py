@@ -24,6 +24,9 @@ from .materialize import compose
 from .materialize.directory import check_resumable, step_reader
 from .objects import ObjectStore
 
+# What a failure before the load leaves: at ZeRO 1/2 the fp32 masters are decoded in place.
+_untouched = "the engine's module weights and optimizer state are unchanged; its fp32 masters may not be"
+
 
 def restore(
     objects: ObjectStore,
@@ -39,7 +42,7 @@ def restore(
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
     Returns ``(step, client_state)``."""
     from .deepspeed.extract import check_engine, dp_rank, optimizer_flavour
-    from .deepspeed.load import derives_module_weights, load_from_memory
+    from .deepspeed.load import derives_module_weights, fp32_partitions, load_from_memory
     from .deepspeed.write import rank_files
 
     options = dict(options or {})
@@ -69,15 +72,23 @@ def restore(
             )
         derive = derives_module_weights(engine, flavour, options)
         reader = step_reader(objects, catalog, state, description, sources)
+        # Where the load copies the fp32 masters into the engine's own buffers, they are decoded
+        # straight into those buffers instead: no second copy of them in memory.
+        into = fp32_partitions(engine, flavour) if derive else None
         files = rank_files(
-            description, reader, engine.dp_world_size, dp_rank(engine), skip_module_weights=derive
+            description,
+            reader,
+            engine.dp_world_size,
+            dp_rank(engine),
+            skip_module_weights=derive,
+            fp32_into=into,
         )
         return files, derive
 
     try:
         files, derive = ranks.each_rank(what, read_share)
     except CkptStoreError as exc:
-        raise type(exc)(f"{exc} (the engine is unchanged)") from None
+        raise type(exc)(f"{exc} ({_untouched})") from None
     try:
         _, client_state = load_from_memory(
             engine,

@@ -74,6 +74,12 @@ class Placeholders:
             self.segments[tensor.untyped_storage().data_ptr()] = (tensor, [])
         return tensor
 
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Use ``tensor`` (an engine's own buffer, sole user of its storage) as a placeholder:
+        filling it in memory writes the stored tensors straight into it."""
+        self.segments[tensor.untyped_storage().data_ptr()] = (tensor, [])
+        return tensor
+
     def place(self, tensor: torch.Tensor, segment: Segment) -> None:
         """Record that ``segment`` of a stored tensor fills part of the placeholder ``tensor``."""
         if segment.length:

@@ -12,6 +12,7 @@ as the optimizer does after every step.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,19 @@ from typing import Any
 from ..errors import CorruptError
 
 
-def _memory_engine(files: dict[str, object | None]):
+@functools.cache
+def _memory_engine_class() -> type:
+    # Made once, at module level in effect: a class made per call would sit in a reference
+    # cycle holding its files (a rank's whole share) until the next garbage collection.
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
     class MemoryCheckpointEngine(CheckpointEngine):
         """Answers ``load(path)`` with the object of the file of that name."""
 
-        def __init__(self) -> None:
+        def __init__(self, files: dict[str, object | None]) -> None:
             super().__init__()
             self.name = "ckptstore-restore"
+            self.files = files
 
         def create(self, info) -> None:
             raise RuntimeError("a restore in progress cannot save")
@@ -36,7 +41,7 @@ def _memory_engine(files: dict[str, object | None]):
             raise RuntimeError("a restore in progress cannot save")
 
         def load(self, path: str, map_location=None) -> Any:
-            obj = files.get(Path(path).name)
+            obj = self.files.get(Path(path).name)
             if obj is None:
                 raise CorruptError(
                     f"restore: DeepSpeed asked for {Path(path).name}, which this rank does not read"
@@ -46,7 +51,7 @@ def _memory_engine(files: dict[str, object | None]):
         def commit(self, info) -> bool:
             return True
 
-    return MemoryCheckpointEngine()
+    return MemoryCheckpointEngine
 
 
 def load_from_memory(
@@ -69,7 +74,7 @@ def load_from_memory(
             (folder / name).touch()
         (Path(scratch) / "latest").write_text(tag)
         own_engine = engine.checkpoint_engine
-        engine.checkpoint_engine = _memory_engine(files)
+        engine.checkpoint_engine = _memory_engine_class()(files)
         try:
             path, client_state = load_checkpoint(scratch, tag=tag, **options)
         finally:
@@ -93,3 +98,15 @@ def derives_module_weights(engine: Any, flavour: str, options: dict) -> bool:
         and engine.zero_load_from_fp32_weights()
         and hasattr(engine.optimizer, "update_lp_params")
     )
+
+
+def fp32_partitions(engine: Any, flavour: str) -> list | None:
+    """The engine's own fp32 partition of each group at ZeRO 1/2 (what a load copies the
+    checkpoint's into), or None for other flavours."""
+    from .layout import BF16_OPTIMIZER, ZERO12
+
+    if flavour == ZERO12:
+        return list(engine.optimizer.single_partition_of_fp32_groups)
+    if flavour == BF16_OPTIMIZER:
+        return list(engine.optimizer.fp32_groups_flat_partition)
+    return None

@@ -54,6 +54,8 @@ class _Writer:
         self.world_size = world_size
         self.params = self.d["params"]
         self.holes = Placeholders()
+        # (group, rank) -> an engine buffer to fill in place of that rank's fp32 partition
+        self.fp32_into: dict[tuple[int, int], torch.Tensor] = {}
         if self.flavour == ZERO3 and world_size != self.d["world_size"]:
             self._resplit_zero3_subgroups()
 
@@ -178,10 +180,17 @@ class _Writer:
             offset += numel
         return flat
 
-    def partitioned(self, names: list[str], kind: str, size: int) -> list[torch.Tensor]:
-        """Placeholders for ``kind`` of ``names`` laid end to end, zero-padded, one per rank."""
+    def partitioned(
+        self, names: list[str], kind: str, size: int, group: int | None = None
+    ) -> list[torch.Tensor]:
+        """Placeholders for ``kind`` of ``names`` laid end to end, zero-padded, one per rank
+        (for the fp32 masters of ``group``, an engine buffer where ``fp32_into`` has one that fits)."""
         dtype = self.group_dtype(names, kind)
-        buffers = [self.holes.new(size, dtype) for _ in range(self.world_size)]
+        buffers = []
+        for r in range(self.world_size):
+            into = self.fp32_into.get((group, r)) if kind == FP32 else None
+            fits = into is not None and _sole_buffer(into, size, dtype)
+            buffers.append(self.holes.adopt(into.detach()) if fits else self.holes.new(size, dtype))
         offset = 0
         for name in names:
             end = offset + self.shape(name).numel()
@@ -203,7 +212,9 @@ class _Writer:
             size = flat_partition_size(used, W)
             # Each rank's partition gets its own zero-filled buffer (the tail padding), and every
             # parameter is copied straight into the ranks it overlaps: one copy per element.
-            partitions = {kind: self.partitioned(names, kind, size) for kind in [FP32, *group["state_kinds"]]}
+            partitions = {
+                kind: self.partitioned(names, kind, size, g) for kind in [FP32, *group["state_kinds"]]
+            }
             for r, out in enumerate(per_rank):
                 lo, hi = r * size, (r + 1) * size
                 padding = size if used <= lo else (hi - used if used < hi else 0)
@@ -335,10 +346,14 @@ class _Writer:
         filler.fill([(path, save_skeleton(obj, path)) for path, obj in files])
         return [path for path, _ in files]
 
-    def rank_files(self, rank: int, skip_module_weights: bool) -> dict[str, object]:
+    def rank_files(
+        self, rank: int, skip_module_weights: bool, fp32_into: list[torch.Tensor] | None = None
+    ) -> dict[str, object]:
         """The files ``rank`` reads, by name, with their stored tensors filled in memory; the
         other files' names map to None. ``skip_module_weights`` leaves module weights that are
-        fp32 masters cast down unread (the engine derives them from the masters it loads)."""
+        fp32 masters cast down unread (the engine derives them from the masters it loads).
+        ``fp32_into``: the engine's fp32 partition of each group (ZeRO 1/2), filled in place."""
+        self.fp32_into = {(g, rank): t for g, t in enumerate(fp32_into or [])}
         files = self.files()
         own = [obj for _, obj, reader in files if reader in (None, rank)]
         skip = (lambda segment: segment.kind == MODULE) if skip_module_weights else (lambda segment: False)
@@ -365,13 +380,34 @@ def write_checkpoint(
 
 
 def rank_files(
-    description: dict, tensors: TensorSource, world_size: int, rank: int, *, skip_module_weights: bool
+    description: dict,
+    tensors: TensorSource,
+    world_size: int,
+    rank: int,
+    *,
+    skip_module_weights: bool,
+    fp32_into: list[torch.Tensor] | None = None,
 ) -> dict[str, object | None]:
     """The checkpoint files ``rank`` of a job of ``world_size`` ranks reads, built in memory:
     file name -> its object with the stored tensors in it, None for the files other ranks read.
     Only the elements of stored tensors those files hold are read from ``tensors``.
-    ``skip_module_weights`` leaves the module weights that are fp32 masters cast down unread."""
-    return _Writer(description, tensors, world_size).rank_files(rank, skip_module_weights)
+    ``skip_module_weights`` leaves the module weights that are fp32 masters cast down unread;
+    ``fp32_into`` (the engine's fp32 partition per group, ZeRO 1/2) are filled in place of
+    copies of them, so the load copies each onto itself."""
+    return _Writer(description, tensors, world_size).rank_files(rank, skip_module_weights, fp32_into)
+
+
+def _sole_buffer(tensor: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
+    """Whether ``tensor`` can stand in for a placeholder of ``numel`` x ``dtype``: exactly that,
+    contiguous, alone in its storage."""
+    return (
+        tensor.dtype == dtype
+        and tensor.numel() == numel
+        and tensor.is_contiguous()
+        and tensor.device.type == "cpu"
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == numel * dtype.itemsize
+    )
 
 
 def _copy_recovery_scripts(out_dir: Path) -> None:
