@@ -42,8 +42,7 @@ def restore(
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
     Returns ``(step, client_state)``."""
     from .deepspeed.extract import check_engine, dp_rank, optimizer_flavour
-    from .deepspeed.load import derives_module_weights, fp32_partitions, load_from_memory
-    from .deepspeed.write import rank_files
+    from .deepspeed.load import derives_module_weights, fp32_partitions, load_from_memory, rank_files
 
     options = dict(options or {})
 

@@ -72,7 +72,8 @@ def thin(
     Call under the store's exclusive gc lock. With ``dry_run`` nothing is written; the report
     says what would change (its ``bytes_after`` from the packs' indexes).
     """
-    report = ThinReport(steps=[s for s in weights_only if not catalog.is_weights_only(s)])
+    already = catalog.weights_only_steps()
+    report = ThinReport(steps=[s for s in weights_only if s not in already])
     needed = {(source, layer) for step in whole for layer, source in catalog.sources(step).items()}
     units: dict[Unit, list[int]] = {}
     for step in weights_only:

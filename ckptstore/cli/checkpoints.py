@@ -8,12 +8,29 @@ from ..export.folder import DEFAULT_MAX_SHARD_SIZE
 from .base import cli, human, open_store, store_option
 
 
+def step_or_spec_options(step_help: str):
+    """``--step`` and ``--spec`` (exactly one of them, ``check_step_or_spec``), as a decorator."""
+
+    def decorate(command):
+        command = click.option(
+            "--spec", type=click.Path(dir_okay=False), default=None,
+            help="Instead of --step: a compose spec (YAML) naming the step of each layer range.",
+        )(command)  # fmt: skip
+        return click.option("--step", type=int, default=None, help=step_help)(command)
+
+    return decorate
+
+
+def check_step_or_spec(step: int | None, spec: str | None) -> None:
+    """UsageError unless exactly one of ``--step`` and ``--spec`` was given."""
+    if step is None and spec is None:
+        raise click.UsageError("Missing option '--step' (or --spec)")
+    if step is not None and spec is not None:
+        raise click.UsageError("--step and --spec exclude each other")
+
+
 @cli.command()
-@click.option("--step", type=int, default=None, help="The committed step to rebuild.")
-@click.option(
-    "--spec", type=click.Path(dir_okay=False), default=None,
-    help="Instead of --step: a compose spec (YAML) naming the step of each layer range.",
-)  # fmt: skip
+@step_or_spec_options("The committed step to rebuild.")
 @click.option(
     "--world-size", type=click.IntRange(min=1), default=None,
     help="Data-parallel size of the job that will load it (default: the committing job's).",
@@ -56,21 +73,14 @@ def materialize(
     Example: ckptstore --store runs/store materialize --step 300 out/
     For accelerate's load_state: ckptstore materialize --step 300 --tag pytorch_model out/
     """
-    if step is None and spec is None:
-        raise click.UsageError("Missing option '--step' (or --spec)")
-    if step is not None and spec is not None:
-        raise click.UsageError("--step and --spec exclude each other")
+    check_step_or_spec(step, spec)
     with open_store(ctx) as store:
         path = store.materialize(step, out, spec=spec, world_size=world_size, force=force, tag=tag)
     click.echo(f"materialized {f'step {step}' if spec is None else spec} at {path}")
 
 
 @cli.command()
-@click.option("--step", type=int, default=None, help="The committed step whose weights to export.")
-@click.option(
-    "--spec", type=click.Path(dir_okay=False), default=None,
-    help="Instead of --step: a compose spec (YAML) naming the step of each layer range.",
-)  # fmt: skip
+@step_or_spec_options("The committed step whose weights to export.")
 @click.option(
     "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
     help="dtype of the weights written (default: the dtype the model trained in).",
@@ -96,10 +106,7 @@ def export(ctx, store_uri, step, spec, dtype, max_shard_size, force, out) -> Non
     Example: ckptstore --store runs/store export --step 400 out/llama-400/
              ckptstore export --step 400 --dtype float32 --max-shard-size 2GB out/
     """
-    if step is None and spec is None:
-        raise click.UsageError("Missing option '--step' (or --spec)")
-    if step is not None and spec is not None:
-        raise click.UsageError("--step and --spec exclude each other")
+    check_step_or_spec(step, spec)
     with open_store(ctx) as store:
         report = store.export(step, out, spec=spec, dtype=dtype, max_shard_size=max_shard_size, force=force)
     files = len(report.weight_files) + (1 if len(report.weight_files) > 1 else 0) + len(report.copied_files)

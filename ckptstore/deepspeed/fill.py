@@ -67,17 +67,16 @@ class Placeholders:
     def __init__(self) -> None:
         self.segments: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
 
-    def new(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A placeholder of ``numel`` elements (virtual memory only, never written here)."""
-        tensor = torch.empty(numel, dtype=dtype)
+    def new(self, numel: int, dtype: torch.dtype, reuse: torch.Tensor | None = None) -> torch.Tensor:
+        """A placeholder of ``numel`` elements (virtual memory only, never written here), or
+        ``reuse`` (an engine's own buffer) when it is exactly that and alone in its storage:
+        filling it in memory then writes the stored tensors straight into it."""
+        if reuse is not None and _sole_buffer(reuse, numel, dtype):
+            tensor = reuse.detach()  # filled outside autograd, like the optimizer's own copies
+        else:
+            tensor = torch.empty(numel, dtype=dtype)
         if numel:
             self.segments[tensor.untyped_storage().data_ptr()] = (tensor, [])
-        return tensor
-
-    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Use ``tensor`` (an engine's own buffer, sole user of its storage) as a placeholder:
-        filling it in memory writes the stored tensors straight into it."""
-        self.segments[tensor.untyped_storage().data_ptr()] = (tensor, [])
         return tensor
 
     def place(self, tensor: torch.Tensor, segment: Segment) -> None:
@@ -246,6 +245,18 @@ class _CopyInto:
 
     def __call__(self, segment: Segment, data: torch.Tensor) -> None:
         self.placeholder[segment.target_start : segment.target_start + segment.length] = data
+
+
+def _sole_buffer(tensor: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
+    """Whether ``tensor`` is exactly ``numel`` x ``dtype``, contiguous on the CPU, alone in its storage."""
+    return (
+        tensor.dtype == dtype
+        and tensor.numel() == numel
+        and tensor.is_contiguous()
+        and tensor.device.type == "cpu"
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == numel * dtype.itemsize
+    )
 
 
 def _storages(obj) -> set[int]:

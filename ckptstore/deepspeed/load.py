@@ -1,4 +1,4 @@
-"""A checkpoint held in memory, loaded into a live engine by DeepSpeed's own ``load_checkpoint``.
+"""A checkpoint held in memory: built for one rank, loaded by DeepSpeed's own ``load_checkpoint``.
 
 DeepSpeed decides what to read by file name (``latest``, globs of the tag folder) and reads
 each file through ``engine.checkpoint_engine.load``. So a private folder of empty files with
@@ -17,7 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import CorruptError
+from .fill import MODULE, Filler, TensorSource
+from .write import Writer
 
 
 @functools.cache
@@ -52,6 +56,30 @@ def _memory_engine_class() -> type:
             return True
 
     return MemoryCheckpointEngine
+
+
+def rank_files(
+    description: dict,
+    tensors: TensorSource,
+    world_size: int,
+    rank: int,
+    *,
+    skip_module_weights: bool,
+    fp32_into: list[torch.Tensor] | None = None,
+) -> dict[str, object | None]:
+    """The checkpoint files ``rank`` of a job of ``world_size`` ranks reads, built in memory:
+    file name -> its object with the stored tensors in it (``write.Writer``'s objects, filled
+    in place), None for the files other ranks read. Only the elements of stored tensors those
+    files hold are read from ``tensors``. ``skip_module_weights`` leaves the module weights
+    that are fp32 masters cast down unread; ``fp32_into`` (the engine's fp32 partition per
+    group, ZeRO 1/2) are filled in place of copies of them, so the load copies each onto itself."""
+    into = {(g, rank): t for g, t in enumerate(fp32_into or [])}
+    writer = Writer(description, tensors, world_size, into)
+    files = writer.files()
+    own = [obj for _, obj, reader in files if reader in (None, rank)]
+    skip = (lambda segment: segment.kind == MODULE) if skip_module_weights else (lambda segment: False)
+    Filler(writer.holes, tensors, writer.params).fill_in_memory(own, skip)
+    return {name: obj if reader in (None, rank) else None for name, obj, reader in files}
 
 
 def load_from_memory(

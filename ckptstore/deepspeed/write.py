@@ -43,10 +43,16 @@ def _fragment_address(numel: int, start: int):
     return fragment_address(numel=numel, start=start)
 
 
-class _Writer:
+class Writer:
     """Builds the files of one step for one target world size."""
 
-    def __init__(self, description: dict, tensors: TensorSource, world_size: int) -> None:
+    def __init__(
+        self,
+        description: dict,
+        tensors: TensorSource,
+        world_size: int,
+        fp32_into: dict[tuple[int, int], torch.Tensor] | None = None,
+    ) -> None:
         self.d = plainstate.from_plain(description)
         self._tensors = tensors
         self.flavour = self.d["flavour"]
@@ -55,7 +61,7 @@ class _Writer:
         self.params = self.d["params"]
         self.holes = Placeholders()
         # (group, rank) -> an engine buffer to fill in place of that rank's fp32 partition
-        self.fp32_into: dict[tuple[int, int], torch.Tensor] = {}
+        self.fp32_into = fp32_into or {}
         if self.flavour == ZERO3 and world_size != self.d["world_size"]:
             self._resplit_zero3_subgroups()
 
@@ -186,11 +192,8 @@ class _Writer:
         """Placeholders for ``kind`` of ``names`` laid end to end, zero-padded, one per rank
         (for the fp32 masters of ``group``, an engine buffer where ``fp32_into`` has one that fits)."""
         dtype = self.group_dtype(names, kind)
-        buffers = []
-        for r in range(self.world_size):
-            into = self.fp32_into.get((group, r)) if kind == FP32 else None
-            fits = into is not None and _sole_buffer(into, size, dtype)
-            buffers.append(self.holes.adopt(into.detach()) if fits else self.holes.new(size, dtype))
+        reuse = self.fp32_into if kind == FP32 else {}
+        buffers = [self.holes.new(size, dtype, reuse=reuse.get((group, r))) for r in range(self.world_size)]
         offset = 0
         for name in names:
             end = offset + self.shape(name).numel()
@@ -346,20 +349,6 @@ class _Writer:
         filler.fill([(path, save_skeleton(obj, path)) for path, obj in files])
         return [path for path, _ in files]
 
-    def rank_files(
-        self, rank: int, skip_module_weights: bool, fp32_into: list[torch.Tensor] | None = None
-    ) -> dict[str, object]:
-        """The files ``rank`` reads, by name, with their stored tensors filled in memory; the
-        other files' names map to None. ``skip_module_weights`` leaves module weights that are
-        fp32 masters cast down unread (the engine derives them from the masters it loads).
-        ``fp32_into``: the engine's fp32 partition of each group (ZeRO 1/2), filled in place."""
-        self.fp32_into = {(g, rank): t for g, t in enumerate(fp32_into or [])}
-        files = self.files()
-        own = [obj for _, obj, reader in files if reader in (None, rank)]
-        skip = (lambda segment: segment.kind == MODULE) if skip_module_weights else (lambda segment: False)
-        Filler(self.holes, self._tensors, self.params).fill_in_memory(own, skip)
-        return {name: obj if reader in (None, rank) else None for name, obj, reader in files}
-
 
 def write_checkpoint(
     description: dict, tensors: TensorSource, out_dir: Path, tag: str, world_size: int | None = None
@@ -371,43 +360,12 @@ def write_checkpoint(
     directory without it is never a usable checkpoint. Raises CorruptError if a needed tensor
     is missing and UnsupportedError for layouts this version cannot write.
     """
-    writer = _Writer(description, tensors, world_size or plainstate.from_plain(description)["world_size"])
+    writer = Writer(description, tensors, world_size or plainstate.from_plain(description)["world_size"])
     written = writer.write(out_dir / tag)
     if writer.stage > 0:
         _copy_recovery_scripts(out_dir)
     (out_dir / "latest").write_text(tag)
     return written
-
-
-def rank_files(
-    description: dict,
-    tensors: TensorSource,
-    world_size: int,
-    rank: int,
-    *,
-    skip_module_weights: bool,
-    fp32_into: list[torch.Tensor] | None = None,
-) -> dict[str, object | None]:
-    """The checkpoint files ``rank`` of a job of ``world_size`` ranks reads, built in memory:
-    file name -> its object with the stored tensors in it, None for the files other ranks read.
-    Only the elements of stored tensors those files hold are read from ``tensors``.
-    ``skip_module_weights`` leaves the module weights that are fp32 masters cast down unread;
-    ``fp32_into`` (the engine's fp32 partition per group, ZeRO 1/2) are filled in place of
-    copies of them, so the load copies each onto itself."""
-    return _Writer(description, tensors, world_size).rank_files(rank, skip_module_weights, fp32_into)
-
-
-def _sole_buffer(tensor: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
-    """Whether ``tensor`` can stand in for a placeholder of ``numel`` x ``dtype``: exactly that,
-    contiguous, alone in its storage."""
-    return (
-        tensor.dtype == dtype
-        and tensor.numel() == numel
-        and tensor.is_contiguous()
-        and tensor.device.type == "cpu"
-        and tensor.storage_offset() == 0
-        and tensor.untyped_storage().nbytes() == numel * dtype.itemsize
-    )
 
 
 def _copy_recovery_scripts(out_dir: Path) -> None:
