@@ -15,17 +15,31 @@ naming it, before the engine is touched; (3) DeepSpeed loads.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .catalog import Catalog
 from .commit import ranks
 from .errors import BadInputError, CkptStoreError, NotFoundError, StorageError
 from .materialize import compose
 from .materialize.directory import check_resumable, step_reader
+from .model import FP32
 from .objects import ObjectStore
 
-# What a failure before the load leaves: at ZeRO 1/2 the fp32 masters are decoded in place.
-_untouched = "the engine's module weights and optimizer state are unchanged; its fp32 masters may not be"
+if TYPE_CHECKING:
+    from .deepspeed.load import RankShare
+
+# What a failed read leaves, said in the error. At ZeRO 1/2 restore decodes straight into the
+# engine's own fp32 masters first, then its optimizer state, deriving the module weights from
+# the masters in between; elsewhere nothing of the engine's is written before the load.
+_UNCHANGED = "the engine is unchanged"
+_MASTERS = (
+    "the engine's module weights are unchanged, its fp32 masters and optimizer state may be "
+    "partly overwritten: restore again before training"
+)
+_STATE = (
+    "the engine's module weights and fp32 masters are the step's, its optimizer state may be "
+    "partly overwritten: restore again before training"
+)
 
 
 def restore(
@@ -41,8 +55,8 @@ def restore(
     ``Store.restore`` documents, with ``options`` (``load_optimizer_states``,
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
     Returns ``(step, client_state)``."""
-    from .deepspeed.extract import check_engine, dp_rank, optimizer_flavour
-    from .deepspeed.load import derives_module_weights, fp32_partitions, load_from_memory, rank_files
+    from .deepspeed.extract import optimizer_flavour
+    from .deepspeed.load import derives_module_weights, load_from_memory, start_module_weights
 
     options = dict(options or {})
 
@@ -56,52 +70,76 @@ def restore(
 
     chosen = ranks.on_every_rank("restore", choose)[0]  # rank 0's answer, for every rank
     what = f"restore of step {chosen}"
-    rank = ranks.world()[0]
+    flavour = optimizer_flavour(engine)
+    derive = derives_module_weights(engine, flavour, options)
+    written = [False]  # whether this rank has written into the engine's own tensors
 
-    def read_share() -> tuple[dict, bool]:
-        flavour = optimizer_flavour(engine)
-        check_engine(engine, flavour)
-        state, sources = compose.step_or_spec(chosen if spec is None else None, spec, catalog, "restore")
-        check_resumable(catalog, state, sources)
-        description = json.loads(catalog.description(state))
-        if (description["flavour"], description["zero_stage"]) != (flavour, engine.zero_optimization_stage()):
-            raise BadInputError(
-                f"step {state} was committed by a ZeRO-{description['zero_stage']} engine "
-                f"({description['flavour']}); this one runs ZeRO-{engine.zero_optimization_stage()} ({flavour})"
-            )
-        derive = derives_module_weights(engine, flavour, options)
-        reader = step_reader(objects, catalog, state, description, sources)
-        # Where the load copies the fp32 masters into the engine's own buffers, they are decoded
-        # straight into those buffers instead: no second copy of them in memory.
-        into = fp32_partitions(engine, flavour) if derive else None
-        files = rank_files(
-            description,
-            reader,
-            engine.dp_world_size,
-            dp_rank(engine),
-            skip_module_weights=derive,
-            fp32_into=into,
-        )
-        return files, derive
+    def read_masters() -> RankShare:
+        share = _plan(objects, catalog, engine, flavour, chosen, spec, derive)
+        written[0] = share.in_place
+        share.fill((lambda kind: kind == FP32) if share.overlaps else (lambda kind: True))
+        return share
 
     try:
-        files, derive = ranks.each_rank(what, read_share)
+        share = ranks.each_rank(what, read_masters)
     except CkptStoreError as exc:
-        raise type(exc)(f"{exc} ({_untouched})") from None
+        raise type(exc)(f"{exc} ({_MASTERS if written[0] else _UNCHANGED})") from None
+    module_weights = None
+    if share.overlaps:
+        # The masters are in: the module weights are cast and all-gathered from them while the
+        # optimizer state is read, where DeepSpeed would do it after the whole load.
+        module_weights = start_module_weights(engine, flavour)
+        try:
+            ranks.each_rank(what, lambda: share.fill(lambda kind: kind != FP32))
+        except CkptStoreError as exc:
+            module_weights()
+            raise type(exc)(f"{exc} ({_STATE})") from None
     try:
         _, client_state = load_from_memory(
-            engine,
-            engine.load_checkpoint,
-            files,
-            f"global_step{chosen}",
-            derive_module_weights=derive,
-            **options,
+            engine, engine.load_checkpoint, share.files, f"global_step{chosen}", **options
         )
+        if module_weights is not None:
+            module_weights()
+        elif derive:
+            engine.optimizer.update_lp_params()
     except CkptStoreError:
         raise
     except Exception as exc:
         raise StorageError(
-            f"{what}: DeepSpeed failed loading it on rank {rank} ({type(exc).__name__}: {exc}); "
+            f"{what}: DeepSpeed failed loading it on rank {ranks.world()[0]} ({type(exc).__name__}: {exc}); "
             "the engine may be partly restored: restore again or rebuild it"
         ) from exc
     return chosen, client_state
+
+
+def _plan(
+    objects: ObjectStore,
+    catalog: Catalog,
+    engine: Any,
+    flavour: str,
+    chosen: int,
+    spec: compose.Spec | None,
+    derive: bool,
+) -> RankShare:
+    """This rank's share of step ``chosen`` (or of ``spec``), checked against the engine, not yet read."""
+    from .deepspeed.extract import check_engine, dp_rank
+    from .deepspeed.load import RankShare, engine_tensors
+
+    check_engine(engine, flavour)
+    state, sources = compose.step_or_spec(chosen if spec is None else None, spec, catalog, "restore")
+    check_resumable(catalog, state, sources)
+    description = json.loads(catalog.description(state))
+    stage = engine.zero_optimization_stage()
+    if (description["flavour"], description["zero_stage"]) != (flavour, stage):
+        raise BadInputError(
+            f"step {state} was committed by a ZeRO-{description['zero_stage']} engine "
+            f"({description['flavour']}); this one runs ZeRO-{stage} ({flavour})"
+        )
+    reader = step_reader(objects, catalog, state, description, sources)
+    # Where the load copies the fp32 masters and optimizer state into the engine's own buffers,
+    # they are decoded straight into those buffers instead: no second copy in memory, and the
+    # module weights the load then derives are handed over as the engine's own, never copied.
+    into = engine_tensors(engine, flavour, dp_rank(engine), module_weights=True) if derive else None
+    return RankShare(
+        description, reader, engine.dp_world_size, dp_rank(engine), skip_module_weights=derive, into=into
+    )

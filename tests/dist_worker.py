@@ -405,36 +405,63 @@ def restore_across_sizes(root: Path) -> dict:
 
 
 def restore_failing_rank(root: Path) -> dict:
-    """Rank 1's reads fail halfway through a restore: every rank must raise, engines untouched."""
+    """Rank 1's reads fail partway through a restore, once while the fp32 masters are read and
+    once while the optimizer state is: every rank must raise, saying what the engine holds;
+    a restore after that must leave the engine as ``load_checkpoint`` would."""
     import torch
 
     import ckptstore
     from ckptstore.errors import StorageError
+    from ckptstore.materialize.reader import StepReader
 
     store = ckptstore.open(root / "store")
     engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
     train(engine, DATA[:3])
     store.commit(engine, step=3)
+    if rank() == 0:
+        store.materialize(3, root / "w2", world_size=2)
+    barrier()
+    loaded = build_engine("llama", zero_stage=2, dtype="bf16", seed=1, num_layers=2)
+    loaded.load_checkpoint(str(root / "w2"))
     fresh = build_engine("llama", zero_stage=2, dtype="bf16", seed=5, num_layers=2)
-    before = [p.detach().clone() for p in fresh.module.parameters()]
-    if rank() == 1:
+    read_into = StepReader.read_into
+
+    def weights(e) -> list:
+        return [p.detach().clone() for p in e.module.parameters()]
+
+    results = {}
+    for phase, fails in (
+        ("masters", lambda kind, n: kind == "fp32" and n > 1),
+        ("state", lambda kind, n: kind != "fp32"),
+    ):
         reads = [0]
-        get_range = store.objects.get_range
 
-        def failing_get_range(*args, **kwargs):
+        def failing_read_into(self, name, kind, start, out, fails=fails, reads=reads):
             reads[0] += 1
-            if reads[0] > 2:
+            if fails(kind, reads[0]):
                 raise StorageError("injected: disk on fire")
-            return get_range(*args, **kwargs)
+            return read_into(self, name, kind, start, out)
 
-        store.objects.get_range = failing_get_range
-    try:
-        store.restore(fresh, 3)
-        outcome = "restored"
-    except ckptstore.CkptStoreError as exc:
-        outcome = f"{type(exc).__name__}: {exc}"
-    untouched = all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters(), strict=True))
-    return {"outcome": outcome, "untouched": untouched, "global_steps": fresh.global_steps}
+        if rank() == 1:
+            StepReader.read_into = failing_read_into
+        before = weights(fresh)
+        try:
+            store.restore(fresh, 3)
+            outcome = "restored"
+        except ckptstore.CkptStoreError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        StepReader.read_into = read_into
+        results[phase] = {
+            "outcome": outcome,
+            "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, weights(fresh), strict=True)),
+            "weights_the_steps": all(
+                torch.equal(a, b) for a, b in zip(weights(loaded), weights(fresh), strict=True)
+            ),
+            "global_steps": fresh.global_steps,
+        }
+    store.restore(fresh, 3)
+    results["again"] = train(fresh, DATA[3:]) == train(loaded, DATA[3:])
+    return results
 
 
 def main() -> None:

@@ -32,6 +32,18 @@ def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
     return found
 
 
+def own_memory(engine) -> list[int]:
+    """Where the engine keeps its module weights, fp32 master partitions and their Adam moments."""
+    optimizer = engine.optimizer
+    partitions = (
+        getattr(optimizer, "single_partition_of_fp32_groups", None) or optimizer.fp32_groups_flat_partition
+    )
+    moments = [
+        t for p in partitions for t in optimizer.optimizer.state[p].values() if isinstance(t, torch.Tensor)
+    ]
+    return [t.data_ptr() for t in [*engine.module.parameters(), *partitions, *moments]]
+
+
 @pytest.mark.parametrize("stage,dtype", CONFIGS, ids=[f"zero{s}-{d}" for s, d in CONFIGS])
 def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(tmp_path, stage, dtype):
     store = ckptstore.open(tmp_path / "store")
@@ -43,7 +55,12 @@ def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(tm
     loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2)
     _, client = loaded.load_checkpoint(str(store.materialize(3, tmp_path / "out")))
     restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2)
+    if stage in (1, 2):
+        train(restored, DATA[5:])  # an engine that holds optimizer state, as after a rollback
+        before = own_memory(restored)
     step, restored_client = store.restore(restored)
+    if stage in (1, 2):  # decoded straight into the engine's own tensors: no second copy of the state
+        assert own_memory(restored) == before
     assert step == 3 and restored_client["epoch"] == client["epoch"] == 7
     assert restored.global_steps == loaded.global_steps == 3
     assert restored.lr_scheduler.state_dict() == loaded.lr_scheduler.state_dict()
@@ -72,9 +89,7 @@ def test_restore_takes_a_step_the_load_options_and_refuses_what_it_cannot_restor
     )
     assert module_only.global_steps == reference.global_steps == 0  # only the module was loaded
     other_stage = build_engine("llama", zero_stage=3, dtype="bf16", seed=5, num_layers=2)
-    with pytest.raises(
-        BadInputError, match="committed by a ZeRO-2 engine.*this one runs ZeRO-3.*are unchanged"
-    ):
+    with pytest.raises(BadInputError, match="committed by a ZeRO-2 engine.*this one runs ZeRO-3.*unchanged"):
         store.restore(other_stage, 3)
     destroy_engine(other_stage)
     store.gc(keep_last=1, keep_weights_every=2, grace=0)
@@ -113,16 +128,24 @@ def test_restore_across_world_sizes_1_to_2_2_to_2_and_2_to_1(tmp_path):
         destroy_engine(restored)
 
 
-def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_leaves_the_engines_untouched(tmp_path):
+def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_says_what_it_left(tmp_path):
     from tests.test_many_ranks import torchrun
 
     rank0, rank1 = torchrun("restore_fail", tmp_path)
-    unchanged = (
-        " (the engine's module weights and optimizer state are unchanged; its fp32 masters may not be)"
-    )
-    assert (
-        rank0["outcome"]
-        == "StorageError: restore of step 3 failed on rank 1: injected: disk on fire" + unchanged
-    )
-    assert rank1["outcome"] == "StorageError: injected: disk on fire" + unchanged
-    assert rank0["untouched"] and rank1["untouched"] and rank0["global_steps"] == rank1["global_steps"] == 0
+    left = {
+        "masters": " (the engine's module weights are unchanged, its fp32 masters and optimizer state"
+        " may be partly overwritten: restore again before training)",
+        "state": " (the engine's module weights and fp32 masters are the step's, its optimizer state"
+        " may be partly overwritten: restore again before training)",
+    }
+    for phase, said in left.items():
+        assert rank0[phase]["outcome"] == (
+            "StorageError: restore of step 3 failed on rank 1: injected: disk on fire" + said
+        )
+        assert rank1[phase]["outcome"] == "StorageError: injected: disk on fire" + said
+        assert rank0[phase]["global_steps"] == rank1[phase]["global_steps"] == 0
+    # what the errors say holds: the module weights untouched, then derived from the step's masters
+    assert rank0["masters"]["weights_unchanged"] and rank1["masters"]["weights_unchanged"]
+    assert rank0["state"]["weights_the_steps"] and rank1["state"]["weights_the_steps"]
+    # and restoring again leaves the engine exactly as load_checkpoint of the step does
+    assert rank0["again"] and rank1["again"]

@@ -66,6 +66,7 @@ class Placeholders:
 
     def __init__(self) -> None:
         self.segments: dict[int, tuple[torch.Tensor, list[Segment]]] = {}
+        self.reused = 0  # how many are an engine's own buffers
 
     def new(self, numel: int, dtype: torch.dtype, reuse: torch.Tensor | None = None) -> torch.Tensor:
         """A placeholder of ``numel`` elements (virtual memory only, never written here), or
@@ -73,6 +74,7 @@ class Placeholders:
         filling it in memory then writes the stored tensors straight into it."""
         if reuse is not None and _sole_buffer(reuse, numel, dtype):
             tensor = reuse.detach()  # filled outside autograd, like the optimizer's own copies
+            self.reused += 1
         else:
             tensor = torch.empty(numel, dtype=dtype)
         if numel:
@@ -128,10 +130,12 @@ class Filler:
             for fd in fds:
                 os.close(fd)
 
-    def fill_in_memory(self, objects: list, skip: Callable[[Segment], bool] = lambda segment: False) -> None:
+    def fill_in_memory(
+        self, objects: list, skip: Callable[[Segment], bool] = lambda segment: False, desc: str = "restore"
+    ) -> None:
         """Fill the placeholders inside ``objects`` (the files one rank reads) in place, reading
         only the elements their segments need (``TensorSource.span``); segments ``skip`` says
-        are left as they are. The other placeholders are never touched."""
+        are left as they are. The other placeholders are never touched. ``desc``: the progress bar's."""
         by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]] = defaultdict(list)
         for storage_ptr in _storages(objects):
             entry = self.holes.segments.get(storage_ptr)
@@ -139,10 +143,11 @@ class Filler:
                 continue
             placeholder, segments = entry
             put = _CopyInto(placeholder.view(-1))
+            _zero_gaps(put.placeholder, segments)
             for segment in segments:
                 if not skip(segment):
                     by_param[segment.name].append((put, segment, placeholder.dtype))
-        self._run(by_param, whole=False, desc="restore")
+        self._run(by_param, whole=False, desc=desc)
 
     def _run(
         self, by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]], whole: bool, desc: str
@@ -245,6 +250,18 @@ class _CopyInto:
 
     def __call__(self, segment: Segment, data: torch.Tensor) -> None:
         self.placeholder[segment.target_start : segment.target_start + segment.length] = data
+
+
+def _zero_gaps(placeholder: torch.Tensor, segments: list[Segment]) -> None:
+    # What no segment covers is padding, which a saved file holds as zeros; an engine buffer
+    # or fresh memory may hold anything there.
+    covered = 0
+    for segment in sorted(segments, key=lambda s: s.target_start):
+        if segment.target_start > covered:
+            placeholder[covered : segment.target_start] = 0
+        covered = max(covered, segment.target_start + segment.length)
+    if covered < placeholder.numel():
+        placeholder[covered:] = 0
 
 
 def _sole_buffer(tensor: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import functools
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import CorruptError
+from ..model import FP32
 from .fill import MODULE, Filler, TensorSource
+from .layout import BF16_OPTIMIZER, ZERO12
 from .write import Writer
 
 
@@ -58,28 +61,51 @@ def _memory_engine_class() -> type:
     return MemoryCheckpointEngine
 
 
-def rank_files(
-    description: dict,
-    tensors: TensorSource,
-    world_size: int,
-    rank: int,
-    *,
-    skip_module_weights: bool,
-    fp32_into: list[torch.Tensor] | None = None,
-) -> dict[str, object | None]:
-    """The checkpoint files ``rank`` of a job of ``world_size`` ranks reads, built in memory:
-    file name -> its object with the stored tensors in it (``write.Writer``'s objects, filled
-    in place), None for the files other ranks read. Only the elements of stored tensors those
-    files hold are read from ``tensors``. ``skip_module_weights`` leaves the module weights
-    that are fp32 masters cast down unread; ``fp32_into`` (the engine's fp32 partition per
-    group, ZeRO 1/2) are filled in place of copies of them, so the load copies each onto itself."""
-    into = {(g, rank): t for g, t in enumerate(fp32_into or [])}
-    writer = Writer(description, tensors, world_size, into)
-    files = writer.files()
-    own = [obj for _, obj, reader in files if reader in (None, rank)]
-    skip = (lambda segment: segment.kind == MODULE) if skip_module_weights else (lambda segment: False)
-    Filler(writer.holes, tensors, writer.params).fill_in_memory(own, skip)
-    return {name: obj if reader in (None, rank) else None for name, obj, reader in files}
+class RankShare:
+    """The checkpoint files one rank of a job reads, built in memory: ``files`` maps each file
+    name to its object (``write.Writer``'s, placeholders where stored tensors go), or to None
+    for the files other ranks read. ``fill`` then reads into the placeholders only the elements
+    of stored tensors this rank's files hold.
+
+    ``skip_module_weights`` leaves the module weights that are fp32 masters cast down unread;
+    ``into`` (``engine_tensors``) are the engine's own tensors, filled or handed over in place
+    of copies of them, so the load copies each onto itself."""
+
+    def __init__(
+        self,
+        description: dict,
+        tensors: TensorSource,
+        world_size: int,
+        rank: int,
+        *,
+        skip_module_weights: bool,
+        into: dict[tuple, torch.Tensor] | None = None,
+    ) -> None:
+        writer = Writer(description, tensors, world_size, into)
+        listed = writer.files()
+        self.files: dict[str, object | None] = {
+            name: obj if reader in (None, rank) else None for name, obj, reader in listed
+        }
+        self._own = [obj for obj in self.files.values() if obj is not None]
+        self._filler = Filler(writer.holes, tensors, writer.params)
+        self._skip_module_weights = skip_module_weights
+        # Whether a fill writes into the engine's own tensors.
+        self.in_place = writer.holes.reused > 0
+        # Whether the module weights may be derived from the masters while the rest is read:
+        # when they are left unread and every one is the engine's own parameter, not a
+        # placeholder that the load would copy over the derived weights.
+        self.overlaps = skip_module_weights and not any(
+            segment.kind == MODULE for _, segments in writer.holes.segments.values() for segment in segments
+        )
+
+    def fill(self, kinds: Callable[[str], bool] = lambda kind: True, desc: str = "restore") -> None:
+        """Fill the placeholders of the segments of the stored kinds ``kinds`` accepts."""
+        skip_module = self._skip_module_weights
+
+        def skip(segment) -> bool:
+            return not kinds(segment.kind) or (skip_module and segment.kind == MODULE)
+
+        self._filler.fill_in_memory(self._own, skip, desc=desc)
 
 
 def load_from_memory(
@@ -87,14 +113,11 @@ def load_from_memory(
     load_checkpoint,
     files: dict[str, object | None],
     tag: str,
-    *,
-    derive_module_weights: bool,
     **options: Any,
 ) -> tuple[str | None, dict | None]:
     """``load_checkpoint`` (the engine's own, unwrapped) of a checkpoint whose files are
     ``files`` (name -> object, None for another rank's file), with ``options`` as
-    ``load_checkpoint`` takes them; returns what it returns. ``derive_module_weights``: the
-    module weights were left unread and are derived from the loaded fp32 masters."""
+    ``load_checkpoint`` takes them; returns what it returns."""
     with tempfile.TemporaryDirectory(prefix="ckptstore-restore-") as scratch:
         folder = Path(scratch) / tag
         folder.mkdir()
@@ -109,16 +132,12 @@ def load_from_memory(
             engine.checkpoint_engine = own_engine
     if path is None:
         raise CorruptError("DeepSpeed found no checkpoint in what restore handed it")
-    if derive_module_weights:
-        engine.optimizer.update_lp_params()
     return path, client_state
 
 
 def derives_module_weights(engine: Any, flavour: str, options: dict) -> bool:
     """Whether a load with ``options`` sets the module weights from the fp32 masters it loads
     (ZeRO 1 and 2 loading optimizer state from fp32 weights), so they need not be read."""
-    from .layout import BF16_OPTIMIZER, ZERO12
-
     return (
         flavour in (ZERO12, BF16_OPTIMIZER)
         and options.get("load_optimizer_states", True)
@@ -128,13 +147,65 @@ def derives_module_weights(engine: Any, flavour: str, options: dict) -> bool:
     )
 
 
-def fp32_partitions(engine: Any, flavour: str) -> list | None:
-    """The engine's own fp32 partition of each group at ZeRO 1/2 (what a load copies the
-    checkpoint's into), or None for other flavours."""
-    from .layout import BF16_OPTIMIZER, ZERO12
-
+def engine_tensors(
+    engine: Any, flavour: str, rank: int, *, module_weights: bool
+) -> dict[tuple, torch.Tensor]:
+    """The engine's own tensors a restore at ZeRO 1/2 writes into instead of new memory, as
+    ``write.Writer`` takes them: ``(kind, group, rank)`` -> this rank's partition of the fp32
+    masters (``FP32``) or of an optimizer state (``exp_avg``...), which the load would copy over
+    anyway; with ``module_weights``, ``(MODULE, name)`` -> each parameter, which the load then
+    "copies" onto itself (it derives them from the masters afterwards). Empty for other flavours."""
     if flavour == ZERO12:
-        return list(engine.optimizer.single_partition_of_fp32_groups)
-    if flavour == BF16_OPTIMIZER:
-        return list(engine.optimizer.fp32_groups_flat_partition)
-    return None
+        partitions = engine.optimizer.single_partition_of_fp32_groups
+    elif flavour == BF16_OPTIMIZER:
+        partitions = engine.optimizer.fp32_groups_flat_partition
+    else:
+        return {}
+    state = engine.optimizer.optimizer.state
+    into: dict[tuple, torch.Tensor] = {}
+    for group, partition in enumerate(partitions):
+        into[(FP32, group, rank)] = partition
+        for kind, value in state.get(partition, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == partition.shape:
+                into[(kind, group, rank)] = value
+    if module_weights:
+        into.update(((MODULE, name), param) for name, param in engine.module.named_parameters())
+    return into
+
+
+# Where each flavour keeps what ``update_lp_params`` reads and writes: the bit16 partitions
+# per group and rank, the fp32 master partition per group, and the flat bit16 group buffers.
+_LOW_PRECISION_GROUPS = {
+    ZERO12: ("parallel_partitioned_bit16_groups", "single_partition_of_fp32_groups", "bit16_groups_flat"),
+    BF16_OPTIMIZER: ("bf16_partitioned_groups", "fp32_groups_flat_partition", "bf16_groups_flat"),
+}
+
+
+def start_module_weights(engine: Any, flavour: str) -> Callable[[], None]:
+    """Begin setting the engine's module weights from its fp32 masters, as the optimizer's
+    ``update_lp_params`` does after every step (cast this rank's partition down, then
+    all-gather the partitions), but with the all-gathers in flight while the caller goes on;
+    returns the function that waits for them. Collective: every rank of the data-parallel
+    group calls both. Where this DeepSpeed keeps its groups elsewhere, the wait runs
+    ``update_lp_params`` itself instead."""
+    from deepspeed import comm
+
+    optimizer = engine.optimizer
+    names = _LOW_PRECISION_GROUPS.get(flavour, ())
+    known = all(hasattr(optimizer, n) for n in (*names, "real_dp_process_group"))
+    if not names or not known or not comm.has_all_gather_into_tensor():
+        return optimizer.update_lp_params
+    partitions, masters, flats = (getattr(optimizer, n) for n in names)
+    handles = []
+    for group, (parts, master) in enumerate(zip(partitions, masters, strict=True)):
+        process_group = optimizer.real_dp_process_group[group]
+        own = parts[comm.get_rank(group=process_group)]
+        own.data.copy_(master.data)
+        if comm.get_world_size(group=process_group) > 1:
+            handles.append(comm.all_gather_into_tensor(flats[group], own, group=process_group, async_op=True))
+
+    def wait() -> None:
+        for handle in handles:
+            handle.wait()
+
+    return wait

@@ -51,7 +51,7 @@ class Writer:
         description: dict,
         tensors: TensorSource,
         world_size: int,
-        fp32_into: dict[tuple[int, int], torch.Tensor] | None = None,
+        into: dict[tuple, torch.Tensor] | None = None,
     ) -> None:
         self.d = plainstate.from_plain(description)
         self._tensors = tensors
@@ -60,8 +60,10 @@ class Writer:
         self.world_size = world_size
         self.params = self.d["params"]
         self.holes = Placeholders()
-        # (group, rank) -> an engine buffer to fill in place of that rank's fp32 partition
-        self.fp32_into = fp32_into or {}
+        # An engine's own tensors standing in for placeholders: ``(kind, group, rank)`` -> the
+        # buffer to fill in place of that rank's partition of ``kind`` (ZeRO 1/2), and
+        # ``(MODULE, name)`` -> the parameter itself, put in the module state dict unread.
+        self.into = into or {}
         if self.flavour == ZERO3 and world_size != self.d["world_size"]:
             self._resplit_zero3_subgroups()
 
@@ -128,10 +130,15 @@ class Writer:
         return module
 
     def weight(self, name: str) -> torch.Tensor:
-        """The module weight: the fp32 master cast down, overlaid with any weight stored apart."""
+        """The module weight: the fp32 master cast down, overlaid with any weight stored apart
+        (or the engine's own parameter, where ``into`` has one of its shape and dtype)."""
         if not self.params[name]["trainable"]:
             return self.stored(name, WEIGHT)
-        return self.stored(name, MODULE, DTYPES[self.params[name]["dtype"]])
+        dtype = DTYPES[self.params[name]["dtype"]]
+        own = self.into.get((MODULE, name))
+        if own is not None and own.shape == self.shape(name) and own.dtype == dtype:
+            return own
+        return self.stored(name, MODULE, dtype)
 
     def frozen_names(self) -> list[str]:
         return [name for name, info in self.params.items() if not info["trainable"]]
@@ -190,10 +197,11 @@ class Writer:
         self, names: list[str], kind: str, size: int, group: int | None = None
     ) -> list[torch.Tensor]:
         """Placeholders for ``kind`` of ``names`` laid end to end, zero-padded, one per rank
-        (for the fp32 masters of ``group``, an engine buffer where ``fp32_into`` has one that fits)."""
+        (an engine buffer where ``into`` has one that fits)."""
         dtype = self.group_dtype(names, kind)
-        reuse = self.fp32_into if kind == FP32 else {}
-        buffers = [self.holes.new(size, dtype, reuse=reuse.get((group, r))) for r in range(self.world_size)]
+        buffers = [
+            self.holes.new(size, dtype, reuse=self.into.get((kind, group, r))) for r in range(self.world_size)
+        ]
         offset = 0
         for name in names:
             end = offset + self.shape(name).numel()

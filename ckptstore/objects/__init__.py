@@ -70,9 +70,10 @@ class ObjectStore(abc.ABC):
         """The object's bytes; raises NotFoundError if it does not exist."""
 
     @abc.abstractmethod
-    def get_range(self, name: str, start: int, length: int) -> bytes:
+    def get_range(self, name: str, start: int, length: int) -> bytes | memoryview:
         """``length`` bytes of the object from byte ``start`` (fewer where it ends first; none
-        past its end): one entry of a pack without the rest. NotFoundError if it does not exist."""
+        past its end): one entry of a pack without the rest. NotFoundError if it does not exist.
+        Read-only; a local store maps long ranges instead of copying them."""
 
     @abc.abstractmethod
     def info(self, name: str) -> ObjectInfo:

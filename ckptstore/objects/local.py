@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import uuid
 from collections.abc import Iterator
@@ -21,6 +22,21 @@ from . import Data, ObjectInfo, ObjectStore, check_name
 
 # Out of space, quota and permission problems do not go away by retrying.
 _PERMANENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+# A range at least this long is mapped rather than read: the decoder then reads the page
+# cache in place instead of a copy of it in fresh memory (for a restore, ~a quarter of the
+# decode time). Objects are created whole by a rename and never changed in place, so a mapped
+# range stays valid, even after gc unlinks the file.
+_MAP_AT_LEAST = 1 << 20
+
+
+def _mapped(fd: int, start: int, end: int) -> memoryview:
+    """Bytes ``[start, end)`` of the open file ``fd`` (which holds them), mapped read-only; the
+    mapping lasts while the view or a slice of it does."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, end - base, offset=base, access=mmap.ACCESS_READ)
+    return memoryview(mapping)[start - base : end - base]
 
 
 def _storage_error(action: str, name: str, exc: OSError) -> StorageError:
@@ -139,7 +155,7 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise _storage_error("read", name, exc) from None
 
-    def get_range(self, name: str, start: int, length: int) -> bytes:
+    def get_range(self, name: str, start: int, length: int) -> bytes | memoryview:
         path = self._path(name)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -148,6 +164,9 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise _storage_error("read", name, exc) from None
         try:
+            end = min(start + length, os.fstat(fd).st_size)
+            if end - start >= _MAP_AT_LEAST:
+                return _mapped(fd, start, end)
             chunks, done = [], 0
             while done < length:  # pread may return less than asked before the end
                 chunk = os.pread(fd, length - done, start + done)
