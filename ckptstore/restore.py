@@ -75,7 +75,7 @@ def restore(
     written = [False]  # whether this rank has written into the engine's own tensors
 
     def read_masters() -> RankShare:
-        share = _plan(objects, catalog, engine, flavour, chosen, spec, derive)
+        share = _plan(objects, catalog, engine, flavour, chosen, spec, options)
         written[0] = share.in_place
         share.fill((lambda kind: kind == FP32) if share.overlaps else (lambda kind: True))
         return share
@@ -119,11 +119,11 @@ def _plan(
     flavour: str,
     chosen: int,
     spec: compose.Spec | None,
-    derive: bool,
+    options: dict[str, bool],
 ) -> RankShare:
     """This rank's share of step ``chosen`` (or of ``spec``), checked against the engine, not yet read."""
     from .deepspeed.extract import check_engine, dp_rank
-    from .deepspeed.load import RankShare, engine_tensors
+    from .deepspeed.load import RankShare, derives_module_weights, engine_tensors, loads_partitions
 
     check_engine(engine, flavour)
     state, sources = compose.step_or_spec(chosen if spec is None else None, spec, catalog, "restore")
@@ -139,7 +139,11 @@ def _plan(
     # Where the load copies the fp32 masters and optimizer state into the engine's own buffers,
     # they are decoded straight into those buffers instead: no second copy in memory, and the
     # module weights the load then derives are handed over as the engine's own, never copied.
-    into = engine_tensors(engine, flavour, dp_rank(engine), module_weights=True) if derive else None
+    derive, in_place = (
+        derives_module_weights(engine, flavour, options),
+        loads_partitions(engine, flavour, options),
+    )
+    into = engine_tensors(engine, flavour, dp_rank(engine), module_weights=derive) if in_place else None
     return RankShare(
         description, reader, engine.dp_world_size, dp_rank(engine), skip_module_weights=derive, into=into
     )

@@ -60,3 +60,20 @@ def test_a_short_write_goes_on_where_it_stopped(tmp_path, monkeypatch):
     parts = [b"header", b"", bytes(range(50)), b"tail"]
     assert objects.put_if_absent("blobs/ab/short", parts) is True
     assert objects.get("blobs/ab/short") == b"".join(parts)
+
+
+def test_a_long_range_is_read_in_place_and_outlives_the_file(objects):
+    data = os.urandom(5 << 20)
+    objects.put_if_absent("packs/ab/big", data)
+    start = 123_457  # not on a page boundary
+    view = objects.get_range("packs/ab/big", start, 3 << 20)
+    assert isinstance(view, memoryview) and view.readonly  # the page cache, mapped, not a copy
+    objects.delete("packs/ab/big")  # as gc may, while a restore still reads it
+    assert bytes(view) == data[start : start + (3 << 20)]
+
+
+def test_a_long_range_past_the_end_gives_what_there_is(objects):
+    data = os.urandom(3 << 20)
+    objects.put_if_absent("packs/cd/big", data)
+    assert bytes(objects.get_range("packs/cd/big", 1 << 20, 4 << 20)) == data[1 << 20 :]
+    assert bytes(objects.get_range("packs/cd/big", 5 << 20, 2 << 20)) == b""

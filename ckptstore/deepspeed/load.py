@@ -23,7 +23,7 @@ import torch
 from ..errors import CorruptError
 from ..model import FP32
 from .fill import MODULE, Filler, TensorSource
-from .layout import BF16_OPTIMIZER, ZERO12
+from .layout import BF16_OPTIMIZER, ZERO3, ZERO12
 from .write import Writer
 
 
@@ -147,18 +147,33 @@ def derives_module_weights(engine: Any, flavour: str, options: dict) -> bool:
     )
 
 
+def loads_partitions(engine: Any, flavour: str, options: dict) -> bool:
+    """Whether a load with ``options`` copies the checkpoint's fp32 master partitions and
+    optimizer state over the engine's own (ZeRO 1 to 3), so a restore may decode them there."""
+    if flavour == ZERO3:
+        return (
+            options.get("load_optimizer_states", True)
+            and not options.get("load_module_only", False)
+            and not engine.zero_nvme_offload_optimizer()
+        )
+    return derives_module_weights(engine, flavour, options)
+
+
 def engine_tensors(
     engine: Any, flavour: str, rank: int, *, module_weights: bool
 ) -> dict[tuple, torch.Tensor]:
-    """The engine's own tensors a restore at ZeRO 1/2 writes into instead of new memory, as
+    """The engine's own tensors a restore writes into instead of new memory, as
     ``write.Writer`` takes them: ``(kind, group, rank)`` -> this rank's partition of the fp32
-    masters (``FP32``) or of an optimizer state (``exp_avg``...), which the load would copy over
-    anyway; with ``module_weights``, ``(MODULE, name)`` -> each parameter, which the load then
-    "copies" onto itself (it derives them from the masters afterwards). Empty for other flavours."""
+    masters (``FP32``) or of an optimizer state (``exp_avg``...) of a group (ZeRO 1/2) or
+    sub-group (ZeRO 3), which the load would copy over anyway; with ``module_weights``,
+    ``(MODULE, name)`` -> each parameter, which the load then "copies" onto itself (it derives
+    them from the masters afterwards). Empty for other flavours."""
     if flavour == ZERO12:
         partitions = engine.optimizer.single_partition_of_fp32_groups
     elif flavour == BF16_OPTIMIZER:
         partitions = engine.optimizer.fp32_groups_flat_partition
+    elif flavour == ZERO3:
+        partitions = engine.optimizer.fp32_partitioned_groups_flat
     else:
         return {}
     state = engine.optimizer.optimizer.state

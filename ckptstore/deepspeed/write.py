@@ -273,7 +273,9 @@ class Writer:
                     # rank r holds slice r of every parameter, each padded to ceil(numel / W)
                     flat = {}
                     for kind in [FP32, *kinds]:
-                        flat[kind] = self.holes.new(sum(parts), self.group_dtype(names, kind))
+                        flat[kind] = self.holes.new(
+                            sum(parts), self.group_dtype(names, kind), reuse=self.into.get((kind, index, r))
+                        )
                         offset = 0
                         for name, numel, part in zip(names, numels, parts, strict=True):
                             self.holes.place(
