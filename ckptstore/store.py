@@ -251,9 +251,14 @@ class Store:
         state, scheduler, counters, loss scaler), with the same three load options, at any
         world size the step was committed at; ``spec`` (a compose spec) instead of a step. No
         directory is written: each rank reads only the fragments its own partition holds (at
-        ZeRO 0 every rank holds everything). A failure while reading on any rank raises on
-        every rank, naming it, with the engine untouched. Raises NotFoundError (no such step,
-        missing pack), WeightsOnlyError, CorruptError, BadInputError (a bad spec).
+        ZeRO 0 every rank holds everything); at ZeRO 1-3 the fp32 masters and optimizer state
+        are decoded straight into the engine's own tensors, so it takes almost no memory
+        beyond the engine's. A failure while reading on any rank raises on every rank, naming
+        it, before DeepSpeed loads anything; the message says what the engine then holds
+        (at ZeRO 1-3 its masters and optimizer state may be partly overwritten: restore again
+        before training). Raises NotFoundError (no such step, missing pack),
+        WeightsOnlyError, CorruptError, BadInputError (a bad spec, an engine of another ZeRO
+        stage or optimizer).
         """
         require_int(engine.dp_world_size, "the engine's data-parallel size", minimum=1)
         options = dict(
