@@ -74,14 +74,14 @@ def restore(
     derive = derives_module_weights(engine, flavour, options)
     written = [False]  # whether this rank has written into the engine's own tensors
 
-    def read_masters() -> RankShare:
+    def first_phase() -> RankShare:  # the masters alone where the weights overlap the rest
         share = _plan(objects, catalog, engine, flavour, chosen, spec, options)
         written[0] = share.in_place
         share.fill((lambda kind: kind == FP32) if share.overlaps else (lambda kind: True))
         return share
 
     try:
-        share = ranks.each_rank(what, read_masters)
+        share = ranks.each_rank(what, first_phase)
     except CkptStoreError as exc:
         raise type(exc)(f"{exc} ({_MASTERS if written[0] else _UNCHANGED})") from None
     module_weights = None
@@ -91,9 +91,11 @@ def restore(
         module_weights = start_module_weights(engine, flavour)
         try:
             ranks.each_rank(what, lambda: share.fill(lambda kind: kind != FP32))
-        except CkptStoreError as exc:
-            module_weights()
-            raise type(exc)(f"{exc} ({_STATE})") from None
+        except Exception as exc:
+            module_weights()  # every rank started the all-gather: each finishes it
+            if isinstance(exc, CkptStoreError):
+                raise type(exc)(f"{exc} ({_STATE})") from None
+            raise
     try:
         _, client_state = load_from_memory(
             engine, engine.load_checkpoint, share.files, f"global_step{chosen}", **options
