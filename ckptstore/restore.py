@@ -56,7 +56,7 @@ def restore(
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
     Returns ``(step, client_state)``."""
     from .deepspeed.extract import optimizer_flavour
-    from .deepspeed.load import derives_module_weights, load_from_memory, start_module_weights
+    from .deepspeed.load import load_from_memory, start_module_weights
 
     options = dict(options or {})
 
@@ -71,7 +71,6 @@ def restore(
     chosen = ranks.on_every_rank("restore", choose)[0]  # rank 0's answer, for every rank
     what = f"restore of step {chosen}"
     flavour = optimizer_flavour(engine)
-    derive = derives_module_weights(engine, flavour, options)
     written = [False]  # whether this rank has written into the engine's own tensors
 
     def first_phase() -> RankShare:  # the masters alone where the weights overlap the rest
@@ -102,7 +101,7 @@ def restore(
         )
         if module_weights is not None:
             module_weights()
-        elif derive:
+        elif share.skip_module_weights:  # left unread: derived from the loaded masters
             engine.optimizer.update_lp_params()
     except CkptStoreError:
         raise
@@ -141,11 +140,11 @@ def _plan(
     # Where the load copies the fp32 masters and optimizer state into the engine's own buffers,
     # they are decoded straight into those buffers instead: no second copy in memory, and the
     # module weights the load then derives are handed over as the engine's own, never copied.
-    derive, in_place = (
-        derives_module_weights(engine, flavour, options),
-        loads_partitions(engine, flavour, options),
+    rank = dp_rank(engine)
+    derive = derives_module_weights(engine, flavour, options)
+    into = (
+        engine_tensors(engine, flavour, rank, module_weights=derive)
+        if loads_partitions(engine, flavour, options)
+        else None
     )
-    into = engine_tensors(engine, flavour, dp_rank(engine), module_weights=derive) if in_place else None
-    return RankShare(
-        description, reader, engine.dp_world_size, dp_rank(engine), skip_module_weights=derive, into=into
-    )
+    return RankShare(description, reader, engine.dp_world_size, rank, skip_module_weights=derive, into=into)

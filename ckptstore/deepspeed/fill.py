@@ -130,23 +130,34 @@ class Filler:
             for fd in fds:
                 os.close(fd)
 
-    def fill_in_memory(
-        self, objects: list, skip: Callable[[Segment], bool] = lambda segment: False, desc: str = "restore"
-    ) -> None:
-        """Fill the placeholders inside ``objects`` (the files one rank reads) in place, reading
-        only the elements their segments need (``TensorSource.span``); segments ``skip`` says
-        are left as they are. The other placeholders are never touched. ``desc``: the progress bar's."""
-        by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]] = defaultdict(list)
+    def in_memory(self, objects: list) -> list[tuple[Put, list[Segment], torch.dtype]]:
+        """The placeholders inside ``objects`` (the files one rank reads), each as where its
+        segments go in memory, its segments and its dtype, for ``fill_in_memory``; what no
+        segment covers (padding) is zeroed now. The other placeholders are never touched."""
+        found = []
         for storage_ptr in _storages(objects):
             entry = self.holes.segments.get(storage_ptr)
-            if entry is None:
-                continue
-            placeholder, segments = entry
-            put = _CopyInto(placeholder.view(-1))
-            _zero_gaps(put.placeholder, segments)
+            if entry is not None:
+                placeholder, segments = entry
+                put = _CopyInto(placeholder.view(-1))
+                _zero_gaps(put.placeholder, segments)
+                found.append((put, segments, placeholder.dtype))
+        return found
+
+    def fill_in_memory(
+        self,
+        targets: list[tuple[Put, list[Segment], torch.dtype]],
+        skip: Callable[[Segment], bool] = lambda segment: False,
+        desc: str = "restore",
+    ) -> None:
+        """Fill ``targets`` (``in_memory``'s) in place, reading only the elements their segments
+        need (``TensorSource.span``); segments ``skip`` says are left as they are. ``desc``: the
+        progress bar's."""
+        by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]] = defaultdict(list)
+        for put, segments, dtype in targets:
             for segment in segments:
                 if not skip(segment):
-                    by_param[segment.name].append((put, segment, placeholder.dtype))
+                    by_param[segment.name].append((put, segment, dtype))
         self._run(by_param, whole=False, desc=desc)
 
     def _run(

@@ -67,9 +67,10 @@ class RankShare:
     for the files other ranks read. ``fill`` then reads into the placeholders only the elements
     of stored tensors this rank's files hold.
 
-    ``skip_module_weights`` leaves the module weights that are fp32 masters cast down unread;
-    ``into`` (``engine_tensors``) are the engine's own tensors, filled or handed over in place
-    of copies of them, so the load copies each onto itself."""
+    ``skip_module_weights`` (kept as an attribute) leaves the module weights that are fp32
+    masters cast down unread, for the caller to derive after the load; ``into``
+    (``engine_tensors``) are the engine's own tensors, filled or handed over in place of
+    copies of them, so the load copies each onto itself."""
 
     def __init__(
         self,
@@ -86,9 +87,9 @@ class RankShare:
         self.files: dict[str, object | None] = {
             name: obj if reader in (None, rank) else None for name, obj, reader in listed
         }
-        self._own = [obj for obj in self.files.values() if obj is not None]
         self._filler = Filler(writer.holes, tensors, writer.params)
-        self._skip_module_weights = skip_module_weights
+        self._targets = self._filler.in_memory([obj for obj in self.files.values() if obj is not None])
+        self.skip_module_weights = skip_module_weights
         # Whether a fill writes into the engine's own tensors.
         self.in_place = writer.holes.reused > 0
         # Whether the module weights may be derived from the masters while the rest is read:
@@ -100,12 +101,12 @@ class RankShare:
 
     def fill(self, kinds: Callable[[str], bool] = lambda kind: True, desc: str = "restore") -> None:
         """Fill the placeholders of the segments of the stored kinds ``kinds`` accepts."""
-        skip_module = self._skip_module_weights
+        skip_module = self.skip_module_weights
 
         def skip(segment) -> bool:
             return not kinds(segment.kind) or (skip_module and segment.kind == MODULE)
 
-        self._filler.fill_in_memory(self._own, skip, desc=desc)
+        self._filler.fill_in_memory(self._targets, skip, desc=desc)
 
 
 def load_from_memory(

@@ -182,11 +182,9 @@ def _unzstd(frame: memoryview, size: int, what: str) -> bytes:
     return _decompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
 
 
-def _decode_planes(
-    payload: memoryview, itemsize: int, raw_size: int, out: np.ndarray | None = None
-) -> np.ndarray:
+def _decode_planes(payload: memoryview, itemsize: int, raw_size: int, out: np.ndarray) -> None:
     count = raw_size // itemsize
-    out = np.empty((count, itemsize), dtype=np.uint8) if out is None else out.reshape(count, itemsize)
+    out = out.reshape(count, itemsize)
     offset = 0
     for i in range(itemsize):
         compressed, length = struct.unpack_from("<BQ", payload, offset)
@@ -203,7 +201,6 @@ def _decode_planes(
         out[:, i] = plane
     if offset != len(payload):
         raise CorruptError("blob payload has trailing bytes after its last byte plane")
-    return out.reshape(-1)
 
 
 def parse_header(blob: bytes | memoryview) -> BlobInfo:
@@ -243,36 +240,15 @@ def decode(blob: bytes | memoryview, key: str | None = None) -> torch.Tensor:
     recorded size, or the content does not hash to ``key``.
     """
     info = parse_header(blob)
-    payload = memoryview(blob)[info.header_size :]
-    dtype = DTYPES[info.dtype]
-    itemsize = dtype.itemsize
-    try:
-        if info.codec == RAW:
-            raw = np.frombuffer(payload, dtype=np.uint8)
-        elif info.codec == ZSTD_PLANES:
-            raw = _decode_planes(payload, itemsize, info.raw_size)
-        else:
-            raw = np.frombuffer(_unzstd(payload, info.raw_size, "the blob payload"), dtype=np.uint8)
-    except (zstandard.ZstdError, struct.error) as exc:
-        raise CorruptError(f"blob payload does not decode: {exc}") from None
-    if raw.size != info.raw_size:
-        raise CorruptError(f"blob payload holds {raw.size} bytes, header says {info.raw_size}")
-    if info.codec == ZSTD_GROUPED and raw.size:
-        raw = np.ascontiguousarray(raw.reshape(itemsize, -1).T)
-    if not raw.flags.writeable:
-        raw = raw.copy()  # the tensor must own writable memory; callers may modify it
-    if raw.size:
-        tensor = torch.from_numpy(raw).view(dtype).reshape(info.shape)
-    else:
-        tensor = torch.empty(info.shape, dtype=dtype)
-    if key is not None and tensor_key(tensor) != key:
-        raise CorruptError(f"blob content does not hash to its key {key}")
+    tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+    decode_into(blob, key, tensor)
     return tensor
 
 
-def decode_into(blob: bytes | memoryview, key: str, out: torch.Tensor) -> None:
+def decode_into(blob: bytes | memoryview, key: str | None, out: torch.Tensor) -> None:
     """Decode blob bytes straight into ``out`` (contiguous, of the blob's dtype and element
-    count, any shape) and verify them against ``key``: ``decode`` without allocating.
+    count, any shape) and, when ``key`` is given, verify them against it: ``decode`` without
+    allocating.
 
     Raises CorruptError as ``decode`` does, and if ``out`` does not fit the blob.
     """
@@ -297,7 +273,7 @@ def decode_into(blob: bytes | memoryview, key: str, out: torch.Tensor) -> None:
             target[:] = raw.reshape(dtype.itemsize, -1).T.reshape(-1) if info.codec == ZSTD_GROUPED else raw
     except (zstandard.ZstdError, struct.error) as exc:
         raise CorruptError(f"blob payload does not decode: {exc}") from None
-    if tensor_key(out.reshape(info.shape)) != key:
+    if key is not None and tensor_key(out.reshape(info.shape)) != key:
         raise CorruptError(f"blob content does not hash to its key {key}")
 
 

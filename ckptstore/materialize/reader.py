@@ -79,6 +79,20 @@ def fetch_pack_head(
     return entries, head
 
 
+def _entry(
+    head: tuple[dict[tuple[str, str, int], pack.Entry], bytes], name: str, kind: str, start: int
+) -> tuple[pack.Entry, memoryview | None]:
+    """The entry for the fragment of ``kind`` of ``name`` from ``start`` in a pack's index
+    (``fetch_pack_head``'s answer), and its bytes when that first read already holds them."""
+    entries, first_bytes = head
+    entry = entries.get((name, kind, start))
+    if entry is None:
+        raise CorruptError(f"its index has no {name} {kind} from element {start}")
+    if entry.offset + entry.length <= len(first_bytes):
+        return entry, memoryview(first_bytes)[entry.offset :]
+    return entry, None
+
+
 class _SharedBlobs:
     """Fetch-once access to decoded blobs: each key is fetched when first asked for and
     forgotten when its last expected user has it."""
@@ -209,14 +223,12 @@ class StepReader:
         out = []
         for row in fragments:
             ref = index.packs[row[PACK]]
-            entries, head = self._indexes.get(ref.key)
-            entry = entries.get((name, kind, int(row[START])))
+            head = self._indexes.get(ref.key)
             with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
-                if entry is None:
-                    raise CorruptError(f"its index has no {name} {kind} from element {row[START]}")
-                if entry.offset + entry.length <= len(head):  # read with the index already
+                entry, in_head = _entry(head, name, kind, int(row[START]))
+                if in_head is not None:
                     with self._cpu:
-                        tensor = pack.decode_entry(memoryview(head)[entry.offset :], entry)
+                        tensor = pack.decode_entry(in_head, entry)
                 else:
                     tensor = self._read(
                         partial(self._objects.get_range, pack_name(ref.key), entry.offset, entry.length),
@@ -276,14 +288,10 @@ class StepReader:
         if len(match) != 1:
             return False
         ref = index.packs[match[0][PACK]]
-        entries, head = self._indexes.get(ref.key)
-        entry = entries.get((name, kind, start))
+        head = self._indexes.get(ref.key)
         with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
-            if entry is None:
-                raise CorruptError(f"its index has no {name} {kind} from element {start}")
-            if entry.offset + entry.length <= len(head):
-                data = memoryview(head)[entry.offset :]
-            else:
+            entry, data = _entry(head, name, kind, start)
+            if data is None:
                 data = self._objects.get_range(pack_name(ref.key), entry.offset, entry.length)
             with self._cpu:
                 pack.decode_entry_into(data, entry, out)
