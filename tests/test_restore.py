@@ -157,3 +157,28 @@ def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_says_what_it_left
     assert rank0["state"]["weights_the_steps"] and rank1["state"]["weights_the_steps"]
     # and restoring again leaves the engine exactly as load_checkpoint of the step does
     assert rank0["again"] and rank1["again"]
+
+
+def test_the_benchmark_reports_restore_against_both_ways_deepspeed_resumes(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    tiny = ["--hidden", "64", "--layers", "2", "--vocab", "256", "--reps", "1", "--workdir", str(tmp_path)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # its own single process
+        env.pop(name, None)
+    out = subprocess.run(
+        [sys.executable, str(root / "tools" / "bench.py"), *tiny],
+        capture_output=True, text=True, env=env, cwd=root, check=True,
+    ).stdout  # fmt: skip
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    for row in (
+        "DeepSpeed load_checkpoint of its own directory",
+        "restore (vs load_checkpoint)",
+        "restore (vs materialize + load_checkpoint)",
+    ):
+        assert row in rows and rows[row].count("x |") >= 1, row
+    assert "peak extra RSS during restore:" in out and "peak extra RSS during load_checkpoint:" in out
