@@ -1,11 +1,16 @@
 """Retention rules and mark-and-sweep garbage collection of blobs and auxiliary files.
 
 Order of a collection, each phase safe to interrupt:
-1. Decide which steps to keep (keep-last, keep-every, explicit keeps); refuse to drop every
+1. List the manifests and import every step the catalog lacks (a commit that died after its
+   manifest, a lost catalog); refuse to run while such a manifest cannot be read, since the
+   packs that step needs are unknown.
+2. Decide which steps to keep (keep-last, keep-every, explicit keeps); refuse to drop every
    step unless asked, and refuse to run at all if a kept step already misses a blob.
-2. Drop the other steps: their manifests first, then their catalog rows in one transaction.
-   Tensor rows that a kept composite step still inherits stay.
-3. Sweep: delete every pack, blob and stored auxiliary file (``files=``) no kept step
+3. Drop the other steps: their catalog rows in one transaction (tensor rows that a kept
+   composite step still inherits stay), then their manifests. Interrupted in between, the
+   next open lists the steps again from their manifests: nothing is lost, the next gc drops
+   them.
+4. Sweep: delete every pack, blob and stored auxiliary file (``files=``) no kept step
    references and older than the grace period.
 
 Concurrency. A commit holds the store's gc lock shared from choosing its layers to recording
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from . import knobs
-from .catalog import Catalog
+from .catalog import Catalog, sync
 from .errors import BadInputError, CorruptError
 from .format import layout
 from .objects import ObjectInfo, ObjectStore
@@ -161,7 +166,8 @@ def collect(
     divisible by K / the N newest as weights-only steps (``thin``).
     ``drop_steps`` drops those steps in addition to what retention drops. ``now`` replaces
     the clock (tests). Raises BadInputError if every step would go without ``allow_empty``,
-    CorruptError if a kept step already misses a blob (nothing is changed then).
+    CorruptError if a kept step already misses a blob or a step's manifest cannot be read
+    (nothing is changed then).
     """
     rules = [KeepBest.parse(rule) for rule in keep_best]
     for name, value in (
@@ -172,6 +178,7 @@ def collect(
             raise BadInputError(f"{name} must be > 0, not {value}")
     weights_rules = keep_weights_every is not None or keep_weights_last is not None
     with objects.lock(exclusive=True):
+        sync.load_every_step(catalog, objects)
         steps = catalog.steps()
         kept = steps_to_keep(
             steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
@@ -216,12 +223,12 @@ def collect(
             return report
 
         generations = layout.list_manifests(objects).generations
+        catalog.drop_steps(dropped)
         _delete(
             objects,
             [layout.manifest_name(step, g) for step in dropped for g in generations.get(step, [0])],
             "manifest",
         )
-        catalog.drop_steps(dropped)
         _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")
         catalog.forget_blobs(doomed.gone_keys)
         return report

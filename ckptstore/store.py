@@ -41,12 +41,9 @@ def _step(step: Any) -> int:
 class Store:
     """A checkpoint store: blobs in an ObjectStore, an index of the steps in a Catalog."""
 
-    def __init__(self, objects: ObjectStore, catalog: Catalog, *, manifest_commits: bool = False) -> None:
+    def __init__(self, objects: ObjectStore, catalog: Catalog) -> None:
         self.objects = objects
         self.catalog = catalog
-        # True for stores whose manifests are the commit points and the catalog a local index
-        # of them (S3, see catalog.sync); False where the catalog row commits (local stores).
-        self.manifest_commits = manifest_commits
         self._queue: CommitQueue | None = None
         self._closed = False
 
@@ -139,7 +136,7 @@ class Store:
         if self._closed:
             raise BadInputError("this store was closed; open it again")
         step = _step(step)
-        options = dict(layers=layers, files=files, metrics=metrics, manifest_commits=self.manifest_commits)
+        options = dict(layers=layers, files=files, metrics=metrics)
         take_snapshot = functools.partial(extract, engine, client_state)
         if blocking:
             self.wait()
@@ -270,12 +267,14 @@ class Store:
         return restore_engine(self.objects, self.catalog, engine, step, spec=spec, options=options)
 
     def verify(self, *, deep: bool = True) -> VerifyReport:
-        """Check every blob and auxiliary file the committed steps reference, and the catalog.
+        """Check every step's manifest, and every blob and auxiliary file the committed steps
+        reference, and the catalog.
 
-        Fast mode (``deep=False``) checks that every blob exists with the size the catalog
-        recorded, from one listing; ``deep`` also reads, decodes and re-hashes every blob.
-        Read-only: problems are reported, never repaired. Unreferenced blobs (orphans),
-        manifests of steps that never committed and stray objects are information, not problems.
+        Every manifest is read and compared with the catalog's rows of its step. Fast mode
+        (``deep=False``) checks that every blob exists with the size the catalog recorded, from
+        one listing; ``deep`` also reads, decodes and re-hashes every blob. Read-only: problems
+        are reported, never repaired. Unreferenced blobs (orphans) and stray objects are
+        information, not problems.
         """
         return verify(self.objects, self.catalog, deep=deep)
 
@@ -306,6 +305,8 @@ class Store:
         Blobs younger than ``grace`` (default ``CKPTSTORE_GC_GRACE`` seconds, 1 hour) are never
         deleted. With no rule, no step is dropped and only unreferenced blobs go. ``dry_run``
         changes nothing and reports what a real run would free. Safe to run while commits run.
+        Every step the catalog lacks is imported from its manifest first: CorruptError
+        (nothing changed) while such a manifest cannot be read, or a kept step misses a blob.
         """
         return collect(
             self.objects, self.catalog, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,

@@ -1,7 +1,8 @@
-"""``verify``: does every pack, blob and auxiliary file a committed step references exist, intact?
+"""``verify``: is every step's manifest readable and in agreement with the catalog, and does
+every pack, blob and auxiliary file a committed step references exist, intact?
 
 Read-only: problems are reported, never repaired. What no step references (orphan blobs,
-manifests of steps that never committed, stray objects under a known prefix) is information.
+stray objects under a known prefix) is information.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from dataclasses import dataclass, field
 
 from . import auxfiles, knobs
 from .catalog import Catalog
+from .catalog.sync import read_manifest
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .format import layout
 from .materialize.reader import fetch_blob, fetch_pack
+from .model import StepRecord
 from .objects import ObjectStore
 from .progress import progress_bar
 
@@ -63,15 +66,17 @@ class VerifyReport:
     files_checked: int = 0
     file_problems: list[FileProblem] = field(default_factory=list)
     catalog_problems: list[str] = field(default_factory=list)
+    manifests_checked: int = 0
+    # steps whose manifest cannot be read, or says other than the catalog
+    manifest_problems: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
-    stray_manifests: list[int] = field(default_factory=list)
     # objects under blobs/, files/ or manifests/ whose names are not names the store writes
     stray_objects: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """True when nothing a committed step needs is missing or damaged."""
-        return not self.problems and not self.file_problems and not self.catalog_problems
+        return not (self.problems or self.file_problems or self.catalog_problems or self.manifest_problems)
 
     def as_dict(self) -> dict:
         """Plain dict for ``--json``."""
@@ -91,8 +96,9 @@ class VerifyReport:
                 for p in self.file_problems
             ],
             "catalog_problems": self.catalog_problems,
+            "manifests_checked": self.manifests_checked,
+            "manifest_problems": self.manifest_problems,
             "orphans": self.orphans,
-            "stray_manifests": self.stray_manifests,
             "stray_objects": self.stray_objects,
         }  # fmt: skip
 
@@ -104,19 +110,18 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes each.
     """
     report = VerifyReport(deep=deep)
+    manifests = layout.list_manifests(objects)
+    _verify_manifests(objects, catalog, manifests, report)
     users = catalog.referenced_blobs()
     sizes = {key: size.size for key, size in catalog.blob_sizes(users).items()}
     report.catalog_problems.extend(catalog.consistency_problems())
     report.catalog_problems.extend(
         f"blob {blob} is referenced but has no size record" for blob in users if blob not in sizes
     )
-    manifests = layout.list_manifests(objects)
-    steps = catalog.steps()
     report.catalog_problems.extend(
         f"step {step} has no manifest in the store (a catalog rebuild would lose it)"
-        for step in manifests.missing(steps)
+        for step in manifests.missing(catalog.steps())
     )
-    report.stray_manifests = sorted(manifests.unreferenced(steps))
     blobs = layout.list_blobs(objects)
     packs = layout.list_packs(objects)
     pack_users = catalog.referenced_packs()
@@ -176,3 +181,42 @@ def _verify_files(
         else:
             continue
         report.file_problems.append(FileProblem(key, problem, users))
+
+
+def _verify_manifests(
+    objects: ObjectStore, catalog: Catalog, manifests: layout.ManifestListing, report: VerifyReport
+) -> None:
+    """Read every step's manifest (its newest generation), layer indexes included, and compare
+    what it references with the catalog's rows of the step: a catalog row a store writer added
+    (a pack, a blob, an auxiliary file) shows here."""
+
+    def read(step: int) -> tuple[int, str, StepRecord | str | None]:
+        name = layout.manifest_name(step, manifests.generation(step))
+        try:
+            return step, name, read_manifest(objects, step, manifests.generation(step))
+        except NotFoundError:
+            return step, name, None  # dropped by a gc since the listing
+        except (CorruptError, UnsupportedError) as exc:
+            return step, name, f"cannot be read ({exc})"
+
+    with ThreadPoolExecutor(knobs.io_threads()) as pool:
+        for step, name, record in pool.map(read, sorted(manifests.found)):
+            report.manifests_checked += 1
+            problem = record if isinstance(record, str) else _disagreement(catalog, step, record)
+            if problem:
+                report.manifest_problems.append(f"step {step}: manifest {name} {problem}")
+
+
+def _disagreement(catalog: Catalog, step: int, record: StepRecord | None) -> str | None:
+    """How the catalog's rows of ``step`` differ from its manifest's ``record``, if they do."""
+    if record is None:
+        return None
+    catalog.load([step])
+    if not catalog.is_recorded(step):
+        return "is readable, but the catalog could not import it"
+    named = {p.key for index in record.packs.values() for p in index.packs} | {t.blob for t in record.tensors}
+    if named != catalog.packs_of_steps([step]) | catalog.blobs_of_steps([step]):
+        return "names other packs than the catalog does (run `ckptstore catalog rebuild`)"
+    if set(record.files) != set(catalog.files(step)):
+        return "lists other auxiliary files than the catalog does (run `ckptstore catalog rebuild`)"
+    return None

@@ -10,6 +10,9 @@ Modes:
   commit-async-exit     start a non-blocking commit of step 1 and exit normally right away
   gc-loop SECONDS       run gc(keep_last=3, grace=0) over and over for SECONDS
   gc-die-after N        gc(keep_last=1, grace=0), dying after N blob deletions
+  race SEED DUMPS       build an engine from SEED (print "ready"), then for each step read on stdin:
+                        train a batch, commit it, print "won STEP" (saving the state to
+                        DUMPS/<seed>-<step>.pt) or "lost STEP <error class>"
 """
 
 from __future__ import annotations
@@ -122,6 +125,26 @@ def gc_die_after(store, n: int) -> None:
     store.gc(keep_last=1, grace=0)
 
 
+def race(store, seed: int, dumps: Path) -> None:
+    import torch
+
+    from ckptstore.errors import ConflictError
+
+    eng = build_engine("llama", zero_stage=2, dtype="bf16", seed=seed, num_layers=3)
+    data = batches(64)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        step = int(line)
+        train(eng, data[step % 64 : step % 64 + 1])
+        try:
+            store.commit(eng, step=step)
+        except ConflictError:
+            print(f"lost {step} ConflictError", flush=True)
+            continue
+        torch.save(state_values(eng), dumps / f"{seed}-{step}.pt")
+        print(f"won {step}", flush=True)
+
+
 def main() -> None:
     setup_single_process_env()
     import logging
@@ -145,6 +168,8 @@ def main() -> None:
         gc_loop(store, float(args[0]))
     elif mode == "gc-die-after":
         gc_die_after(store, int(args[0]))
+    elif mode == "race":
+        race(store, int(args[0]), Path(args[1]))
     sys.stdout.flush()
     os._exit(0)
 

@@ -37,16 +37,22 @@ def test_non_blocking_commits_at_every_step_resume_bit_exactly(tmp_path):
         if step == 10:
             at_10 = state_values(engine)
         # the next training step runs while the commit is still hashing and writing
-    uninterrupted = train(engine, DATA[20:23])
+    engine.save_checkpoint(str(tmp_path / "deepspeed20"))  # DeepSpeed's own, of the same state
+    train(engine, DATA[20:23])
     reports = [handle.result() for handle in handles]
     assert [report.step for report in reports] == list(range(1, 21))
     assert store.steps() == list(range(1, 21))
 
+    # Compared with a resume from DeepSpeed's own checkpoint: on some CPUs even that one does not
+    # continue bit-exactly like the uninterrupted run.
     store.materialize(20, tmp_path / "out20")
-    resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=7, num_layers=2, scheduler=False)
-    resumed.load_checkpoint(str(tmp_path / "out20"))
-    assert resumed.global_steps == 20
-    assert train(resumed, DATA[20:23]) == uninterrupted
+    losses = []
+    for directory in ("out20", "deepspeed20"):
+        resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=7, num_layers=2, scheduler=False)
+        resumed.load_checkpoint(str(tmp_path / directory))
+        assert resumed.global_steps == 20
+        losses.append(train(resumed, DATA[20:23]))
+    assert losses[0] == losses[1]
 
     store.materialize(10, tmp_path / "out10")  # taken before the optimizer moved on
     again = build_engine("llama", zero_stage=2, dtype="bf16", seed=7, num_layers=2, scheduler=False)

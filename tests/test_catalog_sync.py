@@ -45,14 +45,17 @@ def test_catalog_rebuild_restores_every_step_of_an_s3_store(s3, run, tmp_path):
     rebuilt.materialize(2, tmp_path / "out")
 
 
-def test_catalog_rebuild_restores_a_lost_local_catalog(tmp_path, run):
+def test_a_garbage_local_catalog_is_rebuilt_from_the_manifests_and_kept_aside(tmp_path, run):
     store = ckptstore.open(tmp_path / "store")
     commit_three_steps(store)
     log = store.log()
     store.close()
     (tmp_path / "store" / "catalog.db").write_bytes(b"garbage" * 1000)
-    with pytest.raises(ckptstore.CorruptError):
-        ckptstore.open(tmp_path / "store")
+    reopened = ckptstore.open(tmp_path / "store")
+    assert reopened.log() == log
+    reopened.close()
+    [damaged] = (tmp_path / "store").glob("catalog.db.damaged-*")
+    assert damaged.read_bytes() == b"garbage" * 1000
 
     code, out, _ = run("--store", tmp_path / "store", "catalog", "rebuild", "--json")
     assert code == 0
@@ -77,7 +80,8 @@ def test_rebuild_leaves_out_and_reports_unreadable_manifests_and_steps_missing_b
     lines = out.splitlines()
     assert lines[0].startswith(f"problem: unreadable manifest {manifest_name(3)}: malformed manifest")
     assert lines[1] == "problem: step 1 left out: blobs it needs are missing"
-    assert lines[2] == f"rebuilt the catalog of {s3.uri()}: 1 step(s): 2"
+    assert lines[2].startswith("info: the previous catalog is kept at ")  # it still had steps 1 and 3
+    assert lines[3] == f"rebuilt the catalog of {s3.uri()}: 1 step(s): 2"
 
 
 def test_opening_an_s3_store_imports_steps_committed_elsewhere_since(s3, monkeypatch, tmp_path):

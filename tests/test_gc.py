@@ -186,16 +186,19 @@ def test_verify_detects_truncation_trailing_garbage_and_a_pack_under_another_nam
 
 
 @pytest.mark.parametrize("stage", ["blob", "manifest", "catalog"])
-def test_a_commit_killed_at_any_stage_leaves_only_the_previous_step(tmp_path, stage):
+def test_a_commit_killed_at_any_stage_leaves_the_previous_step_and_its_own_only_once_its_manifest_is_written(
+    tmp_path, stage
+):
     store_path = tmp_path / "store"
     result = worker("die-at", store_path, stage)
     assert result.returncode == 9, result.stderr[-3000:]
     store = ckptstore.open(store_path)
-    assert store.steps() == [1]
+    # The manifest is the commit point: killed before it, step 2 is not there; after it, it is.
+    assert store.steps() == ([1] if stage == "blob" else [1, 2])
     report = store.verify()
-    assert report.ok, [p.describe() for p in report.problems] + report.catalog_problems
-    if stage != "blob":
-        assert report.stray_manifests == ([2] if stage in ("manifest", "catalog") else [])
+    assert report.ok, (
+        [p.describe() for p in report.problems] + report.catalog_problems + report.manifest_problems
+    )
     # The surviving step resumes exactly: same engine state as a fresh commit of step 1.
     engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=3)
     train(engine, batches(1))
@@ -292,7 +295,9 @@ def test_gc_over_ten_thousand_steps_keeps_exactly_what_the_kept_steps_need(tmp_p
     assert remaining == store.catalog.blobs_of_steps(store.steps())
 
 
-def test_a_commit_that_raises_at_recording_leaves_the_store_as_it_was(composite_store, tmp_path, monkeypatch):
+def test_a_commit_that_raises_after_its_manifest_is_committed_all_the_same(
+    composite_store, tmp_path, monkeypatch
+):
     before = materialized(composite_store, 6, tmp_path / "before")
 
     def failing_record(*record, **rows):
@@ -303,10 +308,12 @@ def test_a_commit_that_raises_at_recording_leaves_the_store_as_it_was(composite_
     with pytest.raises(OSError):
         composite_store.commit(engine, step=8)
     monkeypatch.undo()
-    assert composite_store.steps() == [2, 4, 6]
-    report = composite_store.verify()
-    assert report.ok and report.stray_manifests == [8]
-    assert same(materialized(composite_store, 6, tmp_path / "after"), before)
+    # Its manifest, the commit point, was written: the step is committed, and the next open lists it.
+    reopened = ckptstore.open(composite_store.objects.root)
+    assert reopened.steps() == [2, 4, 6, 8]
+    assert reopened.verify().ok
+    assert same(materialized(reopened, 6, tmp_path / "after"), before)
+    reopened.materialize(8, tmp_path / "eight")
 
 
 def test_a_commit_reusing_orphans_that_a_running_gc_is_sweeping_keeps_them(tmp_path):

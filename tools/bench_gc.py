@@ -39,6 +39,7 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
     names = [f"model.layers.{i}" for i in range(layers)]
     sources = dict.fromkeys(names, 0)
     step_rows, layer_rows, tensor_rows, blob_rows = [], [], [], {}
+    newest: dict = {}  # layer -> the tensor row of its last save: a manifest names every layer's
     for step in range(steps):
         saved = names if step == 0 else [names[step % layers]]
         rows = []
@@ -47,14 +48,15 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
             write(blob_name(key), data)
             blob_rows[key] = BlobRow(key, len(data), 8)
             rows.append(TensorRow(step, layer, f"{layer}.weight", "fp32", 0, 2, key))
+            newest[layer] = rows[-1]
             sources[layer] = step
         tensor_rows += rows
         step_rows.append({"step": step, "created_at": "2026-01-01T00:00:00+00:00", "world_size": 1,
                           "description": "{}", "layers_saved": len(saved), "bytes_added": 0, "blobs_added": len(saved)})  # fmt: skip
         layer_rows += [{"step": step, "layer": layer, "position": i, "source_step": sources[layer]}
                        for i, layer in enumerate(names)]  # fmt: skip
-        record = StepRecord(step, "2026-01-01T00:00:00+00:00", 1, "{}", dict(sources), rows,
-                            [blob_rows[r.blob] for r in rows])  # fmt: skip
+        record = StepRecord(step, "2026-01-01T00:00:00+00:00", 1, "{}", dict(sources), list(newest.values()),
+                            [blob_rows[r.blob] for r in newest.values()])  # fmt: skip
         write(manifest_name(step), manifest.encode(record))
     db = store.catalog.db
     with db.atomic():

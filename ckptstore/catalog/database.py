@@ -9,6 +9,7 @@ instead of failing, the journal is WAL, and writes take the lock from their firs
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ def connect(path: Path) -> Database:
     """
     from .migrations import migrations
 
+    _check_length(path)
     try:
         # check_same_thread=False: a non-blocking commit records its step from its background
         # thread; the store never runs two commits at once.
@@ -48,6 +50,35 @@ def connect(path: Path) -> Database:
     except sqlite3.DatabaseError as exc:
         raise CorruptError(f"catalog {path} cannot be opened: {exc}") from None
     return db
+
+
+def _check_length(path: Path) -> None:
+    """CorruptError if the file is shorter than its own header says (a truncated copy).
+
+    SQLite opens such a file and fails only when a query reaches a missing page, possibly in
+    the middle of a command; checking here costs one 100-byte read, where ``quick_check``
+    would read the whole file at every open.
+    """
+    try:
+        with open(path, "rb") as handle:
+            header = handle.read(100)
+            size = os.fstat(handle.fileno()).st_size
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # SQLite itself reports what it cannot open
+    if not header:
+        return  # empty: SQLite makes it a new database
+    if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
+        raise CorruptError(f"catalog {path} cannot be opened: not a SQLite database")
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    # The header's page count is valid only while its "version-valid-for" matches the change counter.
+    if header[92:96] == header[24:28] and pages * page_size > size:
+        raise CorruptError(
+            f"catalog {path} cannot be opened: it is truncated ({size} of {pages * page_size} bytes)"
+        )
 
 
 def _enable_wal(db: Database) -> None:

@@ -1,17 +1,22 @@
-"""The catalog as an index of the store's manifests: S3 stores, and catalog rebuilds.
+"""The catalog as an index of the store's manifests, on every backend, and catalog rebuilds.
 
-A store without a local directory (S3) keeps its truth in the bucket: a step exists iff its
-manifest (``format.layout``) exists. The manifest is written create-only after every blob
-it names, so it is the commit point. The SQLite catalog is then a local index under
-``CKPTSTORE_CACHE`` (one folder per store and endpoint), brought up to date whenever the store
-is opened, from one listing of the manifests: steps whose manifest is gone (dropped by a gc on
-another machine) are dropped, and the others are *listed*. A listed step's manifest is
-downloaded and imported the first time a query needs its rows (materialize of that step, gc
-of the steps it keeps, verify of all), so opening a store on a new machine costs one listing,
-not one download per step. Deleting the cache loses nothing.
+A step exists iff its manifest (``format.layout``) exists. The manifest is written create-only
+after every pack it names, so it is the commit point; the SQLite catalog only indexes the
+manifests. It is brought up to date whenever the store is opened, from one listing of the
+manifests: every step found is *listed*, and a listed step's manifest is read and imported
+the first time a query needs its rows (materialize of that step, gc of the steps it keeps,
+verify of all), so opening a store costs one listing, not one read per step. A lost, emptied
+or unreadable catalog therefore loses nothing: the next open lists every step again.
+
+Where the catalog lives differs. An S3 store's is a cache on each machine under
+``CKPTSTORE_CACHE`` (one folder per store and endpoint): a recorded step whose manifest is gone
+was dropped by a gc on another machine, and is dropped here too. A local store's
+``catalog.db`` is shared by every process using the store, and gc drops a step's rows before
+its manifest: a recorded step whose manifest is gone there is damage, kept and reported by
+``verify`` rather than silently forgotten.
 
 ``rebuild`` builds a fresh catalog from the manifests alone, for any store: the repair for a
-lost or corrupt catalog (the local store's ``catalog.db`` included).
+corrupt catalog (the local store's ``catalog.db`` included).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import hashlib
 import logging
 import os
 import re
+import sqlite3
+import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +53,9 @@ class SyncReport:
     dropped: list[int] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)  # manifests that could not be read
     incomplete: list[int] = field(default_factory=list)  # rebuild only: steps missing blobs
+    # rebuild only: steps the previous catalog held that the manifests do not give back
+    lost: list[int] = field(default_factory=list)
+    kept_aside: str | None = None  # rebuild only: where the previous catalog was kept
     steps: list[int] = field(default_factory=list)  # the catalog's steps afterwards
 
 
@@ -100,21 +110,37 @@ def _fetch_all(
                     yield found
 
 
-def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
-    """Make ``catalog`` list exactly the steps whose manifests are in ``objects``, from one listing.
+def catalog_is_shared(objects: ObjectStore) -> bool:
+    """Whether every process using ``objects`` shares one catalog (a local store's ``catalog.db``)
+    rather than keeping a cache of its own (S3)."""
+    return getattr(objects, "root", None) is not None
 
-    Steps whose manifest is gone (dropped by a gc elsewhere) are dropped; the others are listed
-    and imported only when a query first needs them (``load_steps``). A step whose record a gc
-    elsewhere rewrote (a newer manifest generation: it became weights-only) is dropped and
-    listed again, so it is imported afresh.
+
+def catalog_path(objects: ObjectStore) -> Path:
+    """The catalog file of ``objects``: ``catalog.db`` in a local store, else the cache's."""
+    root = getattr(objects, "root", None)
+    return cache_path(objects) if root is None else Path(root) / "catalog.db"
+
+
+def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
+    """Make ``catalog`` list every step whose manifest is in ``objects``, from one listing.
+
+    The steps are listed and imported only when a query first needs them (``load_steps``). A
+    step whose record was rewritten (a newer manifest generation: gc made it weights-only) is
+    dropped and listed again, so it is imported afresh. A recorded step whose manifest is gone
+    is dropped from a cache (a gc elsewhere dropped it) but kept in a shared catalog, where
+    only damage does that (``verify`` reports it).
     """
     report = SyncReport()
     listing = layout.list_manifests(objects)
     remote = {step: listing.generation(step) for step in listing.found}
+    keep_missing = catalog_is_shared(objects)
     with catalog.write_transaction():
         recorded = catalog.generations()
         report.dropped = sorted(
-            step for step, generation in recorded.items() if remote.get(step) != generation
+            step
+            for step, generation in recorded.items()
+            if remote.get(step) != generation and not (keep_missing and step not in remote)
         )
         if report.dropped:
             catalog.drop_steps(report.dropped)
@@ -124,9 +150,9 @@ def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
 
 
 def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> SyncReport:
-    """Import the manifests of listed ``steps``; those gone or unreadable are unlisted.
-
-    Raises UnsupportedError if a manifest was written by a newer ckptstore."""
+    """Import the manifests of listed ``steps``; those gone or unreadable are unlisted (and
+    reported in ``corrupt``; the next open lists them again, and gc refuses to run while one
+    is unreadable). Raises UnsupportedError if a manifest was written by a newer ckptstore."""
     report = SyncReport()
     for record, generation in _fetch_all(objects, {s: catalog.listed_generation(s) for s in steps}, report):
         if import_record(catalog, record, generation):
@@ -147,16 +173,40 @@ def import_step(catalog: Catalog, objects: ObjectStore, step: int) -> None:
         import_record(catalog, read_manifest(objects, step))
 
 
-def open_index(objects: ObjectStore) -> Catalog:
-    """The local catalog index of ``objects``, synced; a corrupt index is rebuilt (it is a cache)."""
-    path = cache_path(objects)
+def load_every_step(catalog: Catalog, objects: ObjectStore) -> None:
+    """List every manifest in ``objects`` afresh and import every step; CorruptError naming the
+    manifests that cannot be read. What gc needs before it decides anything: a step it does
+    not know of would lose its packs."""
+    sync(catalog, objects)
+    pending = [step for step in catalog.steps() if not catalog.is_recorded(step)]
+    report = load_steps(catalog, objects, pending) if pending else SyncReport()
+    if report.corrupt:
+        more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
+        raise CorruptError(
+            f"manifest {report.corrupt[0]}{more} cannot be read; gc will not run while a step's manifest "
+            "is unreadable (it cannot tell which packs the step needs): run `ckptstore verify`"
+        )
+
+
+def open_catalog(objects: ObjectStore) -> Catalog:
+    """The catalog of ``objects``, synced with its manifests (``sync``).
+
+    A catalog SQLite cannot read is rebuilt from the manifests, under the store's exclusive
+    lock so that the processes of one job do it once; a shared catalog's damaged file is kept
+    beside it (``catalog.db.damaged-<time>``) for inspection.
+    """
+    path = catalog_path(objects)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         catalog = Catalog(path)
     except CorruptError as exc:
-        log.warning("ckptstore: rebuilding the catalog index %s from the manifests (%s)", path, exc)
-        rebuild(path, objects)
-        catalog = Catalog(path)
+        with objects.lock(exclusive=True):
+            try:  # another process may have rebuilt it while this one waited for the lock
+                catalog = Catalog(path)
+            except CorruptError:
+                log.warning("ckptstore: rebuilding the catalog %s from the manifests (%s)", path, exc)
+                rebuild(path, objects, keep_damaged=catalog_is_shared(objects))
+                catalog = Catalog(path)
     try:
         sync(catalog, objects)
     except BaseException:
@@ -166,19 +216,23 @@ def open_index(objects: ObjectStore) -> Catalog:
     return catalog
 
 
-def rebuild(path: Path, objects: ObjectStore) -> SyncReport:
+def rebuild(path: Path, objects: ObjectStore, *, keep_damaged: bool = True) -> SyncReport:
     """Replace the catalog file at ``path`` by one built from the manifests in ``objects`` alone.
 
     Every step whose manifest is readable and whose blobs are all present comes back; the
-    others are reported (``corrupt``, ``incomplete``) and left out. A manifest written by a
-    newer ckptstore raises UnsupportedError and changes nothing. The new catalog is built
-    beside the old one and renamed over it, so a failure leaves the old one as it was. Run it
-    while no other process has the catalog open.
+    others are reported (``corrupt``, ``incomplete``) and left out, and so are (``lost``) steps
+    the previous catalog held whose manifest is gone. When the previous file could not be read
+    (and ``keep_damaged``), or it held a step the rebuild loses, it is kept beside the new one
+    (``kept_aside``) rather than deleted. A manifest written by a newer ckptstore raises
+    UnsupportedError and changes nothing. The new catalog is built beside the old one and
+    renamed over it, so a failure leaves the old one as it was. Run it while no other process
+    has the catalog open.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = path.with_name(f"{path.name}.rebuild-{uuid.uuid4().hex[:8]}{knobs.tmp_suffix()}")
     report = SyncReport()
+    previous = _previous_steps(path)
     stored = {**layout.list_blobs(objects).found, **layout.list_packs(objects).found}
     listing = layout.list_manifests(objects)
     catalog = Catalog(fresh)
@@ -186,8 +240,7 @@ def rebuild(path: Path, objects: ObjectStore) -> SyncReport:
         for record, generation in _fetch_all(
             objects, {s: listing.generation(s) for s in listing.found}, report
         ):
-            # A local commit that died between its manifest and its catalog row left a
-            # manifest whose blobs a later gc may have swept: such a step is not restored.
+            # A step whose packs a gc swept after its manifest was damaged cannot come back.
             needed = [b.key for b in record.blobs] + [p.key for i in record.packs.values() for p in i.packs]
             if any(key not in stored for key in needed):
                 report.incomplete.append(record.step)
@@ -202,7 +255,32 @@ def rebuild(path: Path, objects: ObjectStore) -> SyncReport:
             leftover.unlink(missing_ok=True)
         raise
     catalog.close()
+    left_out = set(previous or ()) - set(report.steps)
+    report.lost = sorted(left_out - set(listing.found))
+    if path.exists() and (left_out or (previous is None and keep_damaged and path.stat().st_size)):
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = path.with_name(
+            f"{path.name}.{'before-rebuild' if previous is not None else 'damaged'}-{stamp}"
+        )
+        os.replace(path, aside)
+        report.kept_aside = str(aside)
     for stale in (Path(f"{path}-wal"), Path(f"{path}-shm")):
         stale.unlink(missing_ok=True)
     os.replace(fresh, path)
     return report
+
+
+def _previous_steps(path: Path) -> list[int] | None:
+    """The steps the catalog file at ``path`` holds; [] when there is none, None if unreadable."""
+    if not path.exists():
+        return []
+    try:
+        catalog = Catalog(path)
+    except CorruptError:
+        return None
+    try:
+        return catalog.steps()
+    except sqlite3.DatabaseError:
+        return None
+    finally:
+        catalog.close()

@@ -21,8 +21,9 @@ from .base import EXIT_PROBLEMS, cli, human, open_store, store_option, uri_of
 def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as_json: bool) -> None:
     """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
-    Exit code 0 when clean, 1 when problems were found. Unreferenced packs and blobs (orphans),
-    manifests of interrupted commits and stray objects (names under packs/, blobs/, files/ or
+    Every step's manifest is read and compared with the catalog. Exit code 0 when clean, 1 when
+    problems were found (a missing, unreadable or disagreeing manifest is one). Unreferenced
+    packs and blobs (orphans) and stray objects (names under packs/, blobs/, files/ or
     manifests/ that ckptstore does not write) are reported but are not problems.
 
     Example: ckptstore --store runs/store verify
@@ -36,14 +37,10 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
     else:
         for problem in [*report.problems, *report.file_problems]:
             click.echo(f"problem: {problem.describe()}")
-        for problem in report.catalog_problems:
+        for problem in [*report.manifest_problems, *report.catalog_problems]:
             click.echo(f"problem: {problem}")
         if report.orphans:
             click.echo(f"info: {len(report.orphans)} blob(s) no step references (gc removes them)")
-        if report.stray_manifests:
-            click.echo(
-                f"info: manifests of uncommitted steps {report.stray_manifests} (left by interrupted commits)"
-            )
         if report.stray_objects:
             shown = ", ".join(report.stray_objects[:5]) + (", ..." if len(report.stray_objects) > 5 else "")
             click.echo(
@@ -51,14 +48,12 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
                 "(left alone by gc)"
             )
         mode = "re-hashed" if report.deep else "checked"
-        verdict = (
-            "clean"
-            if report.ok
-            else f"{len(report.problems) + len(report.file_problems) + len(report.catalog_problems)} problem(s)"
-        )
+        problems = [report.problems, report.file_problems, report.catalog_problems, report.manifest_problems]
+        verdict = "clean" if report.ok else f"{sum(map(len, problems))} problem(s)"
         files = f" and {report.files_checked} auxiliary file(s)" if report.files_checked else ""
         click.echo(
-            f"{report.blobs_checked} packs and blobs ({human(report.bytes_checked)}){files} {mode}: {verdict}"
+            f"{report.manifests_checked} manifests, {report.blobs_checked} packs and blobs "
+            f"({human(report.bytes_checked)}){files} {mode}: {verdict}"
         )
     if not report.ok:
         sys.exit(EXIT_PROBLEMS)
@@ -78,8 +73,10 @@ def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
 
     For an S3 store that is the local index under $CKPTSTORE_CACHE: any machine rebuilds it
     from the bucket alone. For a local store it is catalog.db, e.g. after it was lost or
-    corrupted. Steps whose manifest is unreadable or whose blobs are missing are left out
-    and reported (exit code 1). Run it while no other process uses the catalog.
+    corrupted (opening the store also rebuilds a catalog SQLite cannot read). Steps whose
+    manifest is unreadable or whose blobs are missing, and steps the old catalog had whose
+    manifest is gone, are left out and reported (exit code 1; the old catalog is then kept
+    beside the new one). Run it while no other process uses the catalog.
 
     Example: ckptstore --store s3://ckpts/llama-8b/run7 catalog rebuild
     """
@@ -92,8 +89,12 @@ def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
             click.echo(f"problem: unreadable manifest {problem}")
         for step in report.incomplete:
             click.echo(f"problem: step {step} left out: blobs it needs are missing")
+        for step in report.lost:
+            click.echo(f"problem: step {step} left out: the old catalog had it, but its manifest is gone")
+        if report.kept_aside:
+            click.echo(f"info: the previous catalog is kept at {report.kept_aside}")
         steps = report.steps
         listed = ", ".join(map(str, steps)) if len(steps) <= 10 else f"{steps[0]}, ... {steps[-1]}"
         click.echo(f"rebuilt the catalog of {uri}: {len(steps)} step(s){': ' + listed if steps else ''}")
-    if report.corrupt or report.incomplete:
+    if report.corrupt or report.incomplete or report.lost:
         sys.exit(EXIT_PROBLEMS)

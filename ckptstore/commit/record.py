@@ -1,10 +1,10 @@
 """The commit point: a step's record built once, then published as manifest and catalog rows.
 
 Write order: every pack first (``commit.packs``), then the manifest, then the catalog rows.
-On a local store the catalog transaction is the commit point; a manifest left by a commit
-that died before it is not a step, and the next commit of that step replaces it. On an S3
-store the manifest, written create-only in one request, is the commit point, and the
-catalog only indexes it.
+The manifest, written create-only in one request, is the commit point on every backend; the
+catalog only indexes it (``catalog.sync``), so a commit that dies after its manifest is a
+committed step, which the next open lists. Of two writers of one step, the second finds the
+first's manifest and fails without touching it.
 """
 
 from __future__ import annotations
@@ -84,27 +84,22 @@ def publish(
     catalog: Catalog,
     record: StepRecord,
     *,
-    manifest_commits: bool,
     samples: dict[str, bytes],
 ) -> None:
-    """Write ``record``'s manifest and catalog rows; the step is committed when it returns.
+    """Write ``record``'s manifest, the commit point, then its catalog rows.
 
-    ``manifest_commits``: the manifest is the commit point (S3 stores), else the catalog rows
-    are. ``samples``: the update-statistics samples of the layers it saved. Raises ConflictError
-    if another writer committed the step first.
+    The step is committed once the manifest is written; if recording the rows fails after
+    that, the error is raised but the step stays committed (the next open lists it).
+    ``samples``: the update-statistics samples of the layers it saved. Raises ConflictError if
+    another writer committed the step first; that writer's manifest is left as it is.
     """
     name = manifest_name(record.step)
     data = manifest.encode(record)
-    if manifest_commits:
-        # "Already there" is also the answer to a retried write whose first reply was lost.
-        if not objects.put_if_absent(name, data, single_request=True) and objects.get(name) != data:
-            raise ConflictError(
-                f"step {record.step} is already committed: {objects.uri} got its manifest from another "
-                "writer after this store was opened"
-            )
-    else:
-        # A manifest left by a commit that died before its catalog row is not a step; replace it.
-        objects.delete(name)
-        objects.put_if_absent(name, data, single_request=True)
-    # Where the manifest committed, another process sharing this index may have imported it already.
-    catalog.record_step(record, samples=samples, if_absent=manifest_commits)
+    # "Already there" is also the answer to a retried write whose first reply was lost.
+    if not objects.put_if_absent(name, data, single_request=True) and objects.get(name) != data:
+        raise ConflictError(
+            f"step {record.step} is already committed: {objects.uri} got its manifest from another "
+            "writer after this store was opened"
+        )
+    # Another process sharing the catalog may have imported the manifest already.
+    catalog.record_step(record, samples=samples, if_absent=True)

@@ -118,7 +118,6 @@ def commit_step(
     layers: strategies.Selection = None,
     files: auxfiles.FileSpec | None = None,
     metrics: Mapping[str, float] | None = None,
-    manifest_commits: bool = False,
     background: bool = False,
 ) -> CommitReport:
     """Commit what ``take_snapshot()`` returns on every rank as ``step``; durable when it returns.
@@ -126,8 +125,8 @@ def commit_step(
     Collective: every rank calls it, and an error on any rank raises on every rank with
     nothing recorded. ``layers`` chooses the saved layers (``commit.plan.plan_commit``);
     ``files`` are kept with the step (None keeps the previous step's); ``metrics`` (rank 0's)
-    are recorded with it; ``manifest_commits``
-    makes the manifest the commit point (S3 stores); ``background`` lowers the CPU priority.
+    are recorded with it; ``background`` lowers the CPU priority. Raises ConflictError, on every
+    rank, if another writer committed the step first (its objects are left as they are).
     """
     what = f"commit of step {step}"
     own = _RankCommit(objects, catalog, step, background)
@@ -143,12 +142,11 @@ def commit_step(
                 _layer_indexes(step, plan.saved, shares), plan.updates, own.step_files(shares), created,
                 own.metrics,
             )  # fmt: skip
-            publish(objects, catalog, step_record, manifest_commits=manifest_commits, samples=own.samples)
+            publish(objects, catalog, step_record, samples=own.samples)
 
         ranks.on_rank_zero(f"recording step {step}", record)
-        if manifest_commits:
-            # Ranks on other machines have their own index: add the step rank 0 committed.
-            sync.import_step(catalog, objects, step)
+        # Ranks on other machines have their own index: add the step rank 0 committed.
+        sync.import_step(catalog, objects, step)
     return CommitReport(
         step=step,
         layers_saved=plan.saved,
