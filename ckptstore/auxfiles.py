@@ -4,13 +4,19 @@ Files are opaque bytes, stored once each under ``format.layout.file_name(key)`` 
 the bytes), a namespace apart from the tensor blobs so blob verification never mistakes them for
 tensors. A step records ``(path, key, size)`` per file in its manifest and catalog rows; the
 path is where materialize puts the file, relative to the output directory.
+
+Whoever can write the store can write those rows (the catalog's ``files`` table, a manifest),
+so one rule (``refusal``) decides where a file may land, at commit, on import from a manifest
+and again on the way out (materialize, export): a canonical relative path that can replace
+nothing DeepSpeed writes or reads, so a store never gets a file where DeepSpeed unpickles or a
+script runs.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import xxhash
 
@@ -20,8 +26,10 @@ from .format.layout import file_name
 from .model import FileRow
 from .objects import ObjectStore
 
-# Names the DeepSpeed writer puts in an output directory: a file must not replace them.
-_RESERVED = ("latest", "zero_to_fp32.py", "zero_to_torch.py")
+# Names DeepSpeed writes or reads in a checkpoint directory (``latest_universal`` picks the tag
+# of a universal checkpoint; save_checkpoint copies the two scripts in), and the marker that
+# says materialize/export wrote a folder (``outputs``): a file must never take their place.
+RESERVED = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", ".ckptstore-output")
 
 FileSpec = str | os.PathLike | Iterable[str | os.PathLike]
 # What collect() found, as (path in the checkpoint directory, local path or the bytes read).
@@ -75,10 +83,32 @@ def collect(files: FileSpec | Read) -> Entries:
     return sorted(found.items())
 
 
+def refusal(path: object) -> str | None:
+    """Why an auxiliary file may not be kept at ``path``, or None if it may: the one rule.
+
+    A path is allowed when it is canonical, relative and POSIX (parts joined by ``/``, none
+    empty, ``.`` or ``..``; no backslash or NUL) and its first part is neither a name in
+    ``RESERVED`` nor a ``global_step*`` folder. The materialized tag's own folder is refused by
+    ``materialize.directory.check_tag``, which can compare first parts exactly because of this.
+    """
+    if not isinstance(path, str) or not path:
+        return "is not a path"
+    if "\\" in path or "\0" in path:
+        return "holds a backslash or NUL"
+    if path.startswith("/"):
+        return "is absolute"
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return "is not a canonical relative path (empty, '.' or '..' parts)"
+    if parts[0] in RESERVED or parts[0].startswith("global_step"):
+        return "would replace part of the DeepSpeed checkpoint"
+    return None
+
+
 def _check_name(name: str) -> None:
-    parts = PurePosixPath(name).parts
-    if parts[0] in _RESERVED or parts[0].startswith("global_step"):
-        raise BadInputError(f"files=: {name} would replace part of the DeepSpeed checkpoint; rename it")
+    reason = refusal(name)
+    if reason:
+        raise BadInputError(f"files=: {name} {reason}; rename it")
 
 
 def read(files: FileSpec) -> Read:
@@ -98,18 +128,39 @@ def store(objects: ObjectStore, entries: Entries) -> list[FileRow]:
     return rows
 
 
-def check_rows(rows: Iterable[FileRow]) -> None:
-    """Refuse recorded file paths that would escape the output directory (a damaged catalog)."""
+def check_rows(rows: Iterable[FileRow], step: int) -> None:
+    """CorruptError naming ``step`` and the path unless every row may be written out: each path
+    passes ``refusal``, and no path is another's folder or given twice (rows read from the
+    catalog or a manifest are store-supplied, so this runs before anything is written)."""
+    seen: set[str] = set()
     for row in rows:
-        path = PurePosixPath(row.path)
-        if path.is_absolute() or ".." in path.parts or not path.parts:
-            raise CorruptError(f"auxiliary file path {row.path!r} is not a relative path")
+        reason = refusal(row.path)
+        if reason is None and row.path in seen:
+            reason = "is given twice"
+        if reason:
+            raise CorruptError(f"step {step} keeps an auxiliary file at {row.path!r}, which {reason}")
+        seen.add(row.path)
+    for path in seen:
+        folders = ["/".join(path.split("/")[:i]) for i in range(1, path.count("/") + 1)]
+        clash = next((folder for folder in folders if folder in seen), None)
+        if clash:
+            raise CorruptError(
+                f"step {step} keeps an auxiliary file at {clash!r} and another under it ({path!r})"
+            )
 
 
-def copy_out(objects: ObjectStore, rows: Iterable[FileRow], directory: Path) -> None:
-    """Write the recorded files into ``directory``, each verified against its key."""
+def check_record(record) -> None:
+    """``check_rows`` of a step record's files (a manifest being imported into a catalog)."""
+    check_rows(record.files, record.step)
+
+
+def copy_out(objects: ObjectStore, rows: Iterable[FileRow], directory: Path, step: int) -> None:
+    """Write the recorded files of ``step`` into ``directory``, each verified against its key.
+
+    Raises CorruptError (before writing anything) for a path ``check_rows`` refuses; a file is
+    created, never replaced, so not even a checkpoint file written before it can be overwritten."""
     rows = list(rows)
-    check_rows(rows)
+    check_rows(rows, step)
     for row in rows:
         try:
             data = objects.get(file_name(row.key))
@@ -119,4 +170,10 @@ def copy_out(objects: ObjectStore, rows: Iterable[FileRow], directory: Path) -> 
             raise CorruptError(f"auxiliary file {row.path} (stored as {row.key}) is corrupt")
         target = directory / row.path
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        try:
+            with open(target, "xb") as handle:
+                handle.write(data)
+        except FileExistsError:
+            raise CorruptError(
+                f"step {step}'s auxiliary file {row.path} would replace a file already written"
+            ) from None

@@ -170,6 +170,11 @@ def _verify_files(
     """Check the auxiliary files committed steps carry: there, of the recorded size, and (deep) intact."""
     for key, users in catalog.referenced_files().items():
         report.files_checked += 1
+        report.catalog_problems.extend(
+            f"step {step} keeps an auxiliary file at {path!r}, which {auxfiles.refusal(path)}"
+            for step, path, _ in users
+            if auxfiles.refusal(path)
+        )
         size = users[0][2]
         stored = files.found.get(key)
         if stored is None:

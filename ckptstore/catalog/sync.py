@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import knobs
+from .. import auxfiles, knobs
 from ..errors import CorruptError, NotFoundError, UnsupportedError
 from ..format import layout, manifest
 from ..model import StepRecord
@@ -79,6 +79,7 @@ def read_manifest(objects: ObjectStore, step: int, generation: int = 0) -> StepR
         raise UnsupportedError(f"{name}: {exc}") from None
     if record.step != step:
         raise CorruptError(f"manifest {name} describes step {record.step}")
+    auxfiles.check_record(record)  # a file where DeepSpeed would read it: never imported
     return record
 
 

@@ -12,6 +12,7 @@ torch does not check zip CRCs of storage records (it writes none itself when
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UnsupportedError
+from ..errors import CorruptError, UnsupportedError
+from ..format import plainstate
 
 
 def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
@@ -43,6 +45,30 @@ def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor
         yield from _tensors_in(child, seen)
 
 
+def _safe_classes() -> list:
+    """The DeepSpeed classes a checkpoint file ckptstore writes may hold, besides what torch's
+    weights-only unpickler allows anyway (tensors, containers, ``torch.Size``, dtypes)."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    names = sorted(plainstate.ALLOWED_OBJECTS | plainstate.ALLOWED_ENUMS)
+    return [plainstate.resolve(name) for name in names] + [fragment_address]
+
+
+def load(path: str | os.PathLike, map_location: Any = None) -> Any:
+    """``torch.load`` of a DeepSpeed checkpoint file with ``weights_only=True``: it builds
+    tensors, plain containers and the few DeepSpeed classes materialize writes, and runs no
+    other code. Raises CorruptError naming the file for anything else in the pickle.
+
+    DeepSpeed's own ``TorchCheckpointEngine.load`` passes ``weights_only=False`` (0.19), which
+    runs whatever the file's pickle calls: a store writer's code, for files a store supplied.
+    """
+    with torch.serialization.safe_globals(_safe_classes()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CorruptError(f"{path} holds more than a checkpoint ckptstore writes: {exc}") from None
+
+
 def save_skeleton(obj: Any, path: Path) -> list[tuple[torch.UntypedStorage, int]]:
     """``torch.save(obj, path)`` without any tensor bytes (holes read back as zeros).
 
@@ -53,7 +79,7 @@ def save_skeleton(obj: Any, path: Path) -> list[tuple[torch.UntypedStorage, int]
     with torch.serialization.skip_data():
         torch.save(obj, path)
     # A meta-device load reads only the pickle and reports each storage's byte offset.
-    loaded = torch.load(path, map_location="meta", weights_only=False)
+    loaded = load(path, map_location="meta")
     ours, theirs = list(_tensors_in(obj)), list(_tensors_in(loaded))
     if len(ours) != len(theirs):
         raise RuntimeError(f"{path.name}: {len(ours)} tensors pickled, {len(theirs)} read back")

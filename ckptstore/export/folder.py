@@ -83,8 +83,9 @@ def export(
     out = Path(out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
-    files = [row for row in catalog.files(weights.step) if _belongs_in_model_folder(row.path)]
-    auxfiles.check_rows(files)
+    files = catalog.files(weights.step)
+    auxfiles.check_rows(files, weights.step)  # all of them: a refused row means a tampered store
+    files = [row for row in files if _belongs_in_model_folder(row.path)]
 
     # Buffers are small and their shapes are known only once read: read them first.
     buffers = {w.name: weights.read(w, dtype) for w in weights.entries if w.kind == BUFFER}
@@ -115,7 +116,7 @@ def export(
                 "weight_map": split.tensor_to_filename,
             }
             (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        auxfiles.copy_out(objects, files, staging)
+        auxfiles.copy_out(objects, files, staging, weights.step)
         swap_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

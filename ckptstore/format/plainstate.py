@@ -37,7 +37,8 @@ def _qualname(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _resolve(qualname: str) -> type:
+def resolve(qualname: str) -> type:
+    """The class named ``qualname`` (module path and name); UnsupportedError if it cannot be imported."""
     module, _, name = qualname.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
@@ -113,11 +114,11 @@ def from_plain(data: Any) -> Any:
         if "__enum__" in data:
             if data["__enum__"] not in ALLOWED_ENUMS:
                 raise CorruptError(f"stored state names a class that is not allowed: {data['__enum__']}")
-            return _resolve(data["__enum__"])(from_plain(data["value"]))
+            return resolve(data["__enum__"])(from_plain(data["value"]))
         if "__object__" in data:
             if data["__object__"] not in ALLOWED_OBJECTS:
                 raise CorruptError(f"stored state names a class that is not allowed: {data['__object__']}")
-            cls = _resolve(data["__object__"])
+            cls = resolve(data["__object__"])
             obj = cls.__new__(cls)
             obj.__dict__.update(from_plain(data["attrs"]))
             return obj

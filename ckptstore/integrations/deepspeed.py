@@ -13,11 +13,14 @@ Loading reads files by name from the directory before any ``CheckpointEngine.loa
 ``ckptstore.json`` is restored straight from the store (``Store.restore``: each rank reads only
 its share, at the job's current world size). With a ``load_checkpoint`` option restore does not
 take, the step is instead materialized into a private temporary directory on each rank and
-loaded from there by DeepSpeed itself. Any other directory loads as before.
+loaded from there by DeepSpeed itself, every file read with ``weights_only=True``
+(``deepspeed.torchfile.load``): nothing the store supplies runs as code. Any other directory
+loads as before, with the engine's own checkpoint engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -25,11 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .. import strategies
 from ..commit import ranks
+from ..deepspeed import torchfile
 from ..errors import BadInputError, CorruptError
 from ..opening import open as open_store
 from ..store import Store
@@ -74,7 +77,7 @@ class StoreCheckpointEngine(CheckpointEngine):
             self._client_state = {k: v for k, v in state_dict.items() if k not in _ENGINE_ENTRIES}
 
     def load(self, path: str, map_location=None) -> Any:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torchfile.load(path, map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         step = int(self.engine.global_steps)
@@ -179,8 +182,37 @@ def _load(engine: Any, store: Store | None, original_load, load_dir, tag, option
     folder_tag = tag if tag is not None else _latest(load_dir)
     marker = Path(load_dir) / str(folder_tag) / MARKER if folder_tag is not None else None
     if marker is None or not marker.is_file():
-        return original_load(load_dir, tag, **options)
+        own = engine.checkpoint_engine
+        if isinstance(own, StoreCheckpointEngine):  # not a restore's in-memory one: DeepSpeed's own reads it
+            own = engine._ckptstore_attached[0]
+        with _loading_with(engine, own):
+            return original_load(load_dir, tag, **options)
     return _load_from_store(engine, store, original_load, marker, str(folder_tag), options)
+
+
+class _SafeLoads:
+    """``checkpoint_engine`` with ``load`` reading through ``torchfile.load`` (weights only)."""
+
+    def __init__(self, checkpoint_engine: Any) -> None:
+        self._wrapped = checkpoint_engine
+
+    def load(self, path, map_location=None) -> Any:
+        return torchfile.load(path, map_location)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+@contextlib.contextmanager
+def _loading_with(engine: Any, checkpoint_engine: Any):
+    """``engine.checkpoint_engine`` is ``checkpoint_engine`` inside: DeepSpeed's
+    ``load_checkpoint`` reads every file through ``self.checkpoint_engine.load``."""
+    saved = engine.checkpoint_engine
+    engine.checkpoint_engine = checkpoint_engine
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = saved
 
 
 def _latest(load_dir) -> str | None:
@@ -204,4 +236,5 @@ def _load_from_store(engine: Any, store: Store | None, original_load, marker: Pa
     with tempfile.TemporaryDirectory(prefix="ckptstore-load-") as scratch:
         # Each rank materializes on its own: no directory has to be shared between machines.
         out = source.materialize(step, Path(scratch) / "checkpoint", world_size=engine.dp_world_size, tag=tag)
-        return original_load(str(out), tag, **options)
+        with _loading_with(engine, _SafeLoads(engine.checkpoint_engine)):
+            return original_load(str(out), tag, **options)

@@ -54,7 +54,7 @@ def materialize(
         raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
     tag = f"global_step{step}" if tag is None else tag
     files = catalog.files(step)
-    auxfiles.check_rows(files)
+    auxfiles.check_rows(files, step)
     check_tag(tag, files)
     tensors = step_reader(objects, catalog, step, description, sources)
 
@@ -62,7 +62,7 @@ def materialize(
     staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
     try:
         write_checkpoint(description, tensors, staging, tag, world_size)
-        auxfiles.copy_out(objects, files, staging)
+        auxfiles.copy_out(objects, files, staging, step)
         swap_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

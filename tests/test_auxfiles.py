@@ -1,0 +1,232 @@
+"""Auxiliary files come from the store, so where they may land is one rule, applied on every path.
+
+Whoever can write the store (a shared directory, the bucket) can add a row to the catalog's
+``files`` table or a manifest. Such a row must never put a file where DeepSpeed unpickles or a
+script runs: materialize and export refuse it with CorruptError (exit 4) naming the step and the
+path, before anything is written, and the store's own loads never run a pickle.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import sqlite3
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore import auxfiles
+from ckptstore.deepspeed import torchfile
+from ckptstore.errors import BadInputError, CorruptError
+from ckptstore.format import manifest
+from ckptstore.format.layout import file_name, manifest_name
+from tools.engines import batches, build_engine, train
+
+# What a store writer might name a file to get it run or unpickled on a reader.
+REFUSED = [
+    "./global_step4/mp_rank_00_model_states.pt",
+    "latest",
+    "latest_universal",
+    "zero_to_fp32.py",
+    "zero_to_torch.py",
+    "global_step4/x",
+    "global_step4",
+    "a/../b",
+    "/abs",
+    "a//b",
+    "a/./b",
+    "a\\b",
+    "a\0b",
+    "",
+]
+
+
+class RunsCode:
+    """Unpickling this writes ``path``: the proof that a load ran a store writer's code."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.write_text, (self.path, "ran"))
+
+
+def code_running_pickle(marker: pathlib.Path) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"module": RunsCode(marker)}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(1))
+    return engine
+
+
+@pytest.fixture
+def store(tmp_path, engine):
+    config = tmp_path / "src" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"hidden": 32}')
+    store = ckptstore.open(tmp_path / "store")
+    store.commit(engine, step=4, files=[config])
+    return store
+
+
+def add_row(store, step: int, path: str, data: bytes) -> None:
+    """What a store writer can do: store an object and point a catalog row at it."""
+    key = auxfiles.file_key(data)
+    store.objects.put_if_absent(file_name(key), data)
+    with sqlite3.connect(store.objects.root / "catalog.db") as db:
+        db.execute(
+            "INSERT INTO files (step, path, key, size) VALUES (?, ?, ?, ?)", [step, path, key, len(data)]
+        )
+
+
+def listing(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "path", ["config.json", "tok/tokenizer.json", "a.b/c", ".hidden", "x..y", "latest.txt"]
+)
+def test_the_rule_allows_canonical_relative_paths_outside_the_checkpoint(path):
+    assert auxfiles.refusal(path) is None
+
+
+@pytest.mark.parametrize("path", REFUSED)
+def test_the_rule_refuses_paths_that_are_not_canonical_or_replace_deepspeed_files(path):
+    assert auxfiles.refusal(path)
+
+
+def test_commit_applies_the_same_rule(tmp_path, engine):
+    source = tmp_path / "src" / "global_step7"
+    source.mkdir(parents=True)
+    (source / "x.json").write_text("{}")
+    store = ckptstore.open(tmp_path / "store")
+    with pytest.raises(
+        BadInputError, match="global_step7/x.json would replace part of the DeepSpeed checkpoint"
+    ):
+        store.commit(engine, step=1, files=tmp_path / "src")
+    assert store.steps() == []
+
+
+@pytest.mark.parametrize("path", ["./global_step4/mp_rank_00_model_states.pt", "latest", "zero_to_fp32.py",
+                                  "global_step4/x", "a/../b", "/abs"])  # fmt: skip
+def test_materialize_refuses_an_aux_file_under_the_checkpoint_folder_or_off_the_rule(store, tmp_path, path):
+    marker = tmp_path / "ran"
+    add_row(store, 4, path, code_running_pickle(marker))
+    with pytest.raises(CorruptError, match=f"step 4 keeps an auxiliary file at {path!r}"):
+        store.materialize(4, tmp_path / "out")
+    with pytest.raises(CorruptError, match=f"step 4 keeps an auxiliary file at {path!r}"):
+        store.export(4, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]  # nothing written, not even staging
+    assert not marker.exists()
+    [problem] = store.verify().catalog_problems
+    assert problem.startswith(f"step 4 keeps an auxiliary file at {path!r}")
+
+
+def test_a_refused_row_leaves_a_forced_output_as_it_was(store, tmp_path):
+    out = store.materialize(4, tmp_path / "out")
+    before = listing(out)
+    add_row(store, 4, "latest", b"global_step666")
+    with pytest.raises(CorruptError, match="step 4 keeps an auxiliary file at 'latest'"):
+        store.materialize(4, out, force=True)
+    assert listing(out) == before
+
+
+def test_rows_that_clash_with_each_other_are_refused(store, tmp_path):
+    add_row(store, 4, "config.json/inner", b"{}")
+    with pytest.raises(CorruptError, match="'config.json' and another under it"):
+        store.materialize(4, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_refuses_with_exit_4_and_one_line(store, tmp_path, run):
+    add_row(store, 4, "./global_step4/mp_rank_00_model_states.pt", code_running_pickle(tmp_path / "ran"))
+    for command in (["materialize", "--step", 4, tmp_path / "out"], ["export", "--step", 4, tmp_path / "hf"]):
+        result = run("--store", store.objects.uri, *command)
+        assert result.returncode == 4, result
+        assert result.stderr.startswith("error: step 4 keeps an auxiliary file at './global_step4/")
+        assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+    assert (
+        not (tmp_path / "out").exists() and not (tmp_path / "hf").exists() and not (tmp_path / "ran").exists()
+    )
+
+
+def test_a_manifest_naming_a_refused_path_is_not_imported_from_s3(s3, tmp_path, engine, monkeypatch, run):
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache-a"))
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    store = ckptstore.open(s3.uri())
+    store.commit(engine, step=4, files=[config])
+    store.commit(engine, step=5, layers=[])
+    store.close()
+    objects = store.objects
+    record = manifest.decode(objects.get(manifest_name(4)))
+    add = auxfiles.store(
+        objects, [("./global_step4/mp_rank_00_model_states.pt", code_running_pickle(tmp_path / "ran"))]
+    )
+    record.files = record.files + add
+    objects.delete(manifest_name(4))
+    objects.put_if_absent(manifest_name(4), manifest.encode(record))
+
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache-b"))  # another machine reads the bucket
+    elsewhere = ckptstore.open(s3.uri(), create=False)
+    with pytest.raises(ckptstore.NotFoundError):
+        elsewhere.materialize(4, tmp_path / "out4")
+    assert elsewhere.steps() == [5]  # the tampered manifest was skipped as corrupt
+    out = elsewhere.materialize(5, tmp_path / "out5")
+    assert (out / "config.json").read_text() == "{}"
+    elsewhere.close()
+    result = run("--store", s3.uri(), "catalog", "rebuild")
+    assert result.returncode == 1
+    assert "step 4 keeps an auxiliary file at './global_step4/mp_rank_00_model_states.pt'" in result.stdout
+    assert not (tmp_path / "ran").exists()
+
+
+def test_the_stores_own_loads_never_run_a_pickle(tmp_path):
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.pt").write_bytes(code_running_pickle(marker))
+    with pytest.raises(CorruptError, match="evil.pt holds more than a checkpoint ckptstore writes"):
+        torchfile.load(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (1, "bf16"), (2, "bf16"), (3, "fp32")])
+def test_every_file_materialize_writes_loads_with_weights_only(tmp_path, stage, dtype):
+    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
+    train(engine, batches(1))
+    store = ckptstore.open(tmp_path / "store")
+    store.commit(engine, step=1)
+    out = store.materialize(1, tmp_path / "out")
+    files = sorted((out / "global_step1").glob("*.pt"))
+    assert len(files) >= (1 if stage == 0 else 2)
+    for path in files:
+        assert isinstance(torchfile.load(path, "cpu"), dict)
+
+
+def test_an_attached_load_that_materializes_reads_every_file_weights_only(tmp_path, monkeypatch):
+    from ckptstore.integrations.deepspeed import attach
+
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(2))
+    store = ckptstore.open(tmp_path / "store")
+    attach(engine, store)
+    engine.save_checkpoint(str(tmp_path / "run"))
+    loaded = []
+    safe_load = torchfile.load
+    monkeypatch.setattr(
+        torchfile, "load", lambda path, *a, **k: loaded.append(path) or safe_load(path, *a, **k)
+    )
+    resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=1, num_layers=2)
+    attach(resumed, store)
+    # load_module_strict is an option restore does not take: the step is materialized and loaded
+    path, _ = resumed.load_checkpoint(str(tmp_path / "run"), load_module_strict=True)
+    assert path is not None and resumed.global_steps == engine.global_steps
+    read = [
+        p for p in map(str, loaded) if "/checkpoint/global_step" in p
+    ]  # DeepSpeed's reads, not the writer's
+    assert len(read) >= 2 and all(p.endswith(".pt") for p in read)
