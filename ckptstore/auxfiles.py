@@ -28,8 +28,9 @@ from .objects import ObjectStore
 
 # Names DeepSpeed writes or reads in a checkpoint directory (``latest_universal`` picks the tag
 # of a universal checkpoint; save_checkpoint copies the two scripts in), and the marker that
-# says materialize/export wrote a folder (``outputs``): a file must never take their place.
-RESERVED = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", ".ckptstore-output")
+# says materialize/export wrote a folder (``materialize.outputs``): a file must never take their place.
+OUTPUT_MARKER = ".ckptstore-output"
+RESERVED = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", OUTPUT_MARKER)
 
 FileSpec = str | os.PathLike | Iterable[str | os.PathLike]
 # What collect() found, as (path in the checkpoint directory, local path or the bytes read).

@@ -25,6 +25,7 @@ blobs they reuse. Two gc runs at once simply take turns.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -134,11 +135,16 @@ def steps_to_keep(
 
 
 def grace_seconds(grace: timedelta | float | None) -> float:
-    """The grace period in seconds: ``CKPTSTORE_GC_GRACE`` when None; BadInputError if negative."""
+    """The grace period in seconds: ``CKPTSTORE_GC_GRACE`` when None. BadInputError unless it
+    is a finite non-negative duration (NaN compares false with every age, so it would switch
+    the grace period off; infinity would never sweep)."""
     seconds = knobs.gc_grace_seconds() if grace is None else grace
-    seconds = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
-    if seconds < 0:
-        raise BadInputError(f"the grace period cannot be negative ({seconds} s)")
+    try:
+        seconds = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
+    except (TypeError, ValueError):
+        raise BadInputError(f"the grace period must be a duration in seconds, not {grace!r}") from None
+    if isinstance(grace, bool) or not math.isfinite(seconds) or seconds < 0:
+        raise BadInputError(f"the grace period must be a finite non-negative duration, not {grace!r}")
     return seconds
 
 

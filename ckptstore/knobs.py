@@ -5,6 +5,7 @@ Tests use the overrides to force edge cases (tiny thresholds, one thread) in sma
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -57,8 +58,20 @@ def tmp_suffix() -> str:
 
 
 def gc_grace_seconds() -> float:
-    """Unreferenced blobs younger than this are never swept (a commit may be writing them)."""
-    return _float("GC_GRACE", 3600.0)
+    """Unreferenced blobs younger than this are never swept (a commit may be writing them).
+    BadInputError unless ``CKPTSTORE_GC_GRACE`` is a finite non-negative number of seconds."""
+    from .errors import BadInputError
+
+    value = os.environ.get("CKPTSTORE_GC_GRACE")
+    try:
+        seconds = 3600.0 if value is None else float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:  # nan would switch the grace period off
+        raise BadInputError(
+            f"CKPTSTORE_GC_GRACE must be a finite non-negative number of seconds, not {value!r}"
+        )
+    return seconds
 
 
 def cache_dir() -> str:

@@ -52,5 +52,5 @@ def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | N
     if not uri:
         raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
     objects = open_objects(uri, create=create, endpoint_url=endpoint_url)
-    ensure_config(objects)
+    ensure_config(objects, create=create)
     return objects

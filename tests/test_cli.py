@@ -91,13 +91,20 @@ def test_bad_input_gives_one_line_and_a_documented_exit_code(run, store_path, tm
 
 
 def test_non_empty_output_is_refused_without_force(run, store_path, tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "x").write_text("x")
+    assert run("--store", store_path, "materialize", "--step", 300, tmp_path / "out").returncode == 0
     result = run("--store", store_path, "materialize", "--step", 300, tmp_path / "out")
     assert result.returncode == 5 and "--force" in result.stderr
     assert (
         run("--store", store_path, "materialize", "--step", 300, "--force", tmp_path / "out").returncode == 0
     )
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "x").write_text("x")  # a folder materialize did not write: --force keeps off it
+    result = run("--store", store_path, "materialize", "--step", 300, "--force", tmp_path / "mine")
+    assert (
+        result.returncode == 5
+        and "--force replaces only a folder materialize or export wrote" in result.stderr
+    )
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["x"]
 
 
 def test_help_explains_every_command(run):

@@ -71,7 +71,11 @@ def test_export_loads_with_from_pretrained_and_holds_the_masters_cast_to_the_tra
     model, store, reference = committed
     report = store.export(2, tmp_path / "out")
     assert report.weight_files == ["model.safetensors"] and report.copied_files == ["config.json"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        ".ckptstore-output",
+        "config.json",
+        "model.safetensors",
+    ]
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
         names = set(f.keys())

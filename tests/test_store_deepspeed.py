@@ -163,10 +163,13 @@ def test_materialize_refuses_unknown_steps_and_non_empty_output(small_store, tmp
     with pytest.raises(ConflictError, match="not empty"):
         store.materialize(3, tmp_path / "out")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    store.materialize(3, tmp_path / "out", force=True)
-    assert (tmp_path / "out" / "latest").read_text() == "global_step3"
-    assert not (tmp_path / "out" / "keep.txt").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging directories left behind
+    with pytest.raises(ConflictError, match="--force replaces only a folder materialize or export wrote"):
+        store.materialize(3, tmp_path / "out", force=True)  # not one materialize wrote
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    store.materialize(2, tmp_path / "made")
+    store.materialize(3, tmp_path / "made", force=True)
+    assert (tmp_path / "made" / "latest").read_text() == "global_step3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["made", "out"]  # no staging directories left behind
 
 
 def test_commit_refuses_bad_layer_selections_and_duplicate_steps(tmp_path):

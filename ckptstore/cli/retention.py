@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
@@ -19,15 +20,15 @@ class Duration(click.ParamType):
 
     def convert(self, value, param, ctx):
         if isinstance(value, (int, float)):
-            return float(value)
+            value = str(value)
         text = str(value).strip().lower()
         unit = _DURATION_UNITS.get(text[-1:]) if text else None
         try:
             seconds = float(text[:-1]) * unit if unit else float(text)
         except ValueError:
             self.fail(f"{value!r} is not a duration like 90s, 30m, 2h or 7d", param, ctx)
-        if seconds < 0:
-            self.fail(f"{value!r} is negative", param, ctx)
+        if not math.isfinite(seconds) or seconds < 0:  # nan would switch the grace period off
+            self.fail(f"{value!r} is not a finite non-negative duration like 90s, 30m, 2h or 7d", param, ctx)
         return seconds
 
 

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,8 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from .. import auxfiles, knobs
 from ..catalog import Catalog
-from ..errors import BadInputError, ConflictError
-from ..materialize import compose
-from ..materialize.directory import swap_into_place
+from ..errors import BadInputError
+from ..materialize import compose, outputs
 from ..model import BUFFER
 from ..objects import ObjectStore
 from ..progress import progress_bar
@@ -80,9 +78,7 @@ def export(
     """
     weights = StepWeights(objects, catalog, step, spec)
     dtype = parse_dtype(dtype) or weights.training_dtype
-    out = Path(out).absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    out = outputs.check_out(out, force=force, store_root=getattr(objects, "root", None), verb="export")
     files = catalog.files(weights.step)
     auxfiles.check_rows(files, weights.step)  # all of them: a refused row means a tampered store
     files = [row for row in files if _belongs_in_model_folder(row.path)]
@@ -98,8 +94,7 @@ def export(
     split = _split(layout, max_shard_size)
     by_name = {w.name: w for w in weights.entries}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
+    staging = outputs.staging_dir(out)
     try:
         staging.mkdir()
         bar = progress_bar(range(len(weights.entries)), desc="export", unit="tensor")
@@ -117,7 +112,8 @@ def export(
             }
             (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         auxfiles.copy_out(objects, files, staging, weights.step)
-        swap_into_place(staging, out)
+        outputs.mark(staging, "export", weights.step)
+        outputs.swap_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return ExportReport(

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import CorruptError, NotFoundError, UnsupportedError
+from ..errors import BadInputError, CorruptError, NotFoundError, UnsupportedError
 from ..objects import ObjectStore
-from .layout import CONFIG
+from .layout import BLOBS, CONFIG, FILES, MANIFESTS, PACKS
+
+NAMESPACES = (BLOBS, PACKS, FILES, MANIFESTS)
 
 # 1: a blob per stored tensor. 2: a pack per rank and layer (``format.pack``), CKPM manifests.
 STORE_FORMAT_VERSION = 2
@@ -32,13 +34,23 @@ def check_version(what: str, version: Any, supported: int) -> int:
     return version
 
 
-def ensure_config(objects: ObjectStore) -> dict:
-    """The store's config, written first if the store has none; refuses a newer format."""
+def ensure_config(objects: ObjectStore, *, create: bool = True) -> dict:
+    """The store's config, written first if the store has none; refuses a newer format.
+
+    Without a config, ``objects`` is a store only if it holds nothing but what a store holds
+    (a store whose config was lost: the config is written again); else, when empty, it becomes
+    one only with ``create`` (NotFoundError otherwise), and holding anything else it is no store
+    (BadInputError naming it): ``log`` or ``gc`` pointed at the wrong folder must not claim it.
+    """
     try:
         data = objects.get(CONFIG)
     except NotFoundError:
+        if not _holds_a_store(objects):
+            if not create:
+                raise NotFoundError(f"no store at {objects.uri} (it has no {CONFIG})") from None
         config = {"format_version": STORE_FORMAT_VERSION, "hash": "xxh3-128", "codec": "ckpb1+zstd"}
-        objects.put_if_absent(CONFIG, json.dumps(config, sort_keys=True).encode())
+        if not objects.put_if_absent(CONFIG, json.dumps(config, sort_keys=True).encode()):
+            return ensure_config(objects)  # another process created the store meanwhile
         return config
     try:
         config = json.loads(data)
@@ -48,6 +60,23 @@ def ensure_config(objects: ObjectStore) -> dict:
         raise CorruptError(f"{objects.uri}/{CONFIG} is not a JSON object")
     check_version(f"the store {objects.uri}", config.get("format_version"), STORE_FORMAT_VERSION)
     return config
+
+
+# What a store holds besides its config: the layout's namespaces, and a local store's catalog and lock.
+_STORE_FILES = {CONFIG, "catalog.db", "catalog.db-wal", "catalog.db-shm", "catalog.db-journal", "lock"}
+
+
+def _holds_a_store(objects: ObjectStore) -> bool:
+    """Whether ``objects`` holds store objects (True) or nothing (False); BadInputError naming
+    the first name a store never holds. In-flight ``.tmp`` writes are never listed."""
+    found = False
+    for info in objects.list():
+        if info.name not in _STORE_FILES and not info.name.startswith(NAMESPACES):
+            raise BadInputError(
+                f"{objects.uri} is not a ckptstore store: it has no {CONFIG} and holds {info.name}"
+            )
+        found = True
+    return found
 
 
 def upgrade(objects: ObjectStore) -> None:

@@ -3,7 +3,7 @@
 The directory is written into a staging directory beside the output (``deepspeed.write``
 streams the tensors out of a ``StepReader``), the step's auxiliary files are copied in, and
 the staging directory is renamed over the output: ``latest`` never appears in a partial
-checkpoint.
+checkpoint. Where the output may go and what ``force`` may replace: ``outputs``.
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Collection
 from pathlib import Path
 
 from .. import auxfiles
 from ..catalog import Catalog
-from ..errors import BadInputError, ConflictError, CorruptError, WeightsOnlyError, require_int
+from ..errors import BadInputError, CorruptError, WeightsOnlyError, require_int
 from ..model import FileRow, layers_by_source
 from ..objects import ObjectStore
-from . import compose
+from . import compose, outputs
 from .reader import StepReader
 
 
@@ -38,32 +37,29 @@ def materialize(
     """Write ``step`` (or the step a compose ``spec`` names) as a DeepSpeed directory at ``out``.
 
     Contract as ``Store.materialize``: returns the absolute output path; nothing is written
-    unless every check passes, and ``out`` never holds a partial checkpoint.
+    unless every check passes (``outputs.check_out``: ``force`` replaces only a folder
+    materialize or export wrote), and ``out`` never holds a partial checkpoint.
     """
     from ..deepspeed.write import write_checkpoint
 
-    if out is None:
-        raise BadInputError("materialize needs an output directory")
     step, sources = compose.step_or_spec(step, spec, catalog, "materialize")
     if world_size is not None:
         require_int(world_size, "the world size", minimum=1)
     check_resumable(catalog, step, sources)
     description = json.loads(catalog.description(step))
-    out = Path(out).absolute()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ConflictError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    out = outputs.check_out(out, force=force, store_root=getattr(objects, "root", None), verb="materialize")
     tag = f"global_step{step}" if tag is None else tag
     files = catalog.files(step)
     auxfiles.check_rows(files, step)
     check_tag(tag, files)
     tensors = step_reader(objects, catalog, step, description, sources)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
+    staging = outputs.staging_dir(out)
     try:
         write_checkpoint(description, tensors, staging, tag, world_size)
         auxfiles.copy_out(objects, files, staging, step)
-        swap_into_place(staging, out)
+        outputs.mark(staging, "materialize", step)
+        outputs.swap_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
@@ -124,14 +120,3 @@ def step_reader(
         )
     sizes = catalog.blob_sizes(row.blob for row in rows)
     return StepReader(objects, description["params"], rows, sizes, step, packs, only)
-
-
-def swap_into_place(staging: Path, out: Path) -> None:
-    """Rename ``staging`` to ``out``, replacing what ``out`` held (removed afterwards)."""
-    if out.exists():
-        trash = out.parent / f".{out.name}.ckptstore-old-{uuid.uuid4().hex[:8]}"
-        out.rename(trash)
-        staging.rename(out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        staging.rename(out)

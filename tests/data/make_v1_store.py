@@ -32,11 +32,12 @@ MATERIALIZED = {"10": {}, "20": {}, "30": {}, "10@2": {"world_size": 2}}
 
 
 def file_digests(directory: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file ``materialize`` wrote (DeepSpeed's scripts left out)."""
+    """Relative path -> sha256 of every file ``materialize`` wrote (DeepSpeed's scripts and the
+    marker saying materialize wrote the folder, which later versions add, left out)."""
     return {
         path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in sorted(directory.rglob("*"))
-        if path.is_file() and path.name not in SCRIPTS
+        if path.is_file() and path.name not in SCRIPTS and path.name != ".ckptstore-output"
     }
 
 

@@ -1,0 +1,147 @@
+"""What materialize, export and the read-only commands may change: never a store, never a folder
+a person made, never the working directory; and a killed materialize leaves nothing for good."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import ckptstore
+from ckptstore.errors import BadInputError, ConflictError, NotFoundError
+from ckptstore.materialize.outputs import MARKER
+from tools.engines import batches, build_engine, train
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(1))
+    return engine
+
+
+@pytest.fixture
+def store(tmp_path, engine):
+    store = ckptstore.open(tmp_path / "runs" / "store")
+    store.commit(engine, step=4)
+    return store
+
+
+def tree(folder) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_force_never_replaces_the_store_a_folder_holding_it_or_one_inside_it(store, tmp_path):
+    root = store.objects.root
+    before = tree(tmp_path)
+    for out in (root, root.parent, tmp_path, root / "packs", root / "new"):
+        with pytest.raises(BadInputError, match="is the store .*, holds it or lies inside it"):
+            store.materialize(4, out, force=True)
+        with pytest.raises(BadInputError, match="is the store .*, holds it or lies inside it"):
+            store.export(4, out, force=True)
+    assert tree(tmp_path) == before
+    assert store.verify().ok
+
+
+def test_force_never_replaces_the_working_directory_or_an_empty_path(store, tmp_path, monkeypatch, run):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for out in ("", ".", tmp_path / "work", tmp_path):
+        with pytest.raises(BadInputError):
+            store.materialize(4, out, force=True)
+    result = run("--store", store.objects.uri, "materialize", "--step", 4, "--force", "")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    result = run("--store", store.objects.uri, "export", "--step", 4, "--force", ".")
+    assert result.returncode == 2 and "working directory" in result.stderr
+    assert tree(work) == {"notes.txt": 4}
+
+
+def test_force_replaces_only_a_folder_materialize_or_export_wrote(store, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for write in (store.materialize, store.export):
+        with pytest.raises(ConflictError, match="--force replaces only a folder materialize or export wrote"):
+            write(4, mine, force=True)
+    assert tree(mine) == {"notes.txt": 4}
+
+    out = store.materialize(4, tmp_path / "out")
+    assert (out / MARKER).is_file() and (out / "latest").read_text() == "global_step4"
+    (out / "extra").write_text("x")
+    store.materialize(4, out, force=True)
+    assert not (out / "extra").exists()
+    hf = store.export(4, tmp_path / "hf").path
+    assert (hf / MARKER).is_file()
+    store.export(4, hf, force=True)
+    store.export(4, out, force=True)  # one marker for both: either may replace what the other wrote
+    assert (out / "model.safetensors").is_file() and not (out / "latest").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine", "out", "runs"]
+
+
+def test_a_killed_materialize_leaves_staging_that_the_next_one_removes(store, tmp_path):
+    old = time.time() - 7200  # older than the default grace period (1 h)
+    stale = [tmp_path / ".out.ckptstore-0badf00d.tmp", tmp_path / ".out.ckptstore-old-0badf00d"]
+    young = tmp_path / ".out.ckptstore-12345678.tmp"  # perhaps a materialize running now
+    other = tmp_path / ".other.ckptstore-0badf00d.tmp"  # another output's
+    for folder in [*stale, young, other]:
+        (folder / "global_step4").mkdir(parents=True)
+        (folder / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"x" * 100)
+    for folder in [*stale, other]:
+        os.utime(folder, (old, old))
+    store.materialize(4, tmp_path / "out")
+    assert not any(folder.exists() for folder in stale)
+    assert young.exists() and other.exists()
+    store.export(4, tmp_path / "other")
+    assert not other.exists() and young.exists()
+
+
+def test_commands_other_than_commit_never_create_a_store(tmp_path, run):
+    folder = tmp_path / "home"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for command in (["log"], ["verify"], ["gc", "--grace", "0"], ["catalog", "rebuild"]):
+        result = run("--store", folder, *command)
+        assert result.returncode == 2, (command, result)
+        assert (
+            result.stderr.strip()
+            == f"error: {folder} is not a ckptstore store: it has no config.json and holds notes.txt"
+        )
+        result = run("--store", empty, *command)
+        assert result.returncode == 3, (command, result)
+        assert result.stderr.strip() == f"error: no store at {empty} (it has no config.json)"
+    with pytest.raises(NotFoundError, match="no store at"):
+        ckptstore.open(f"file://{empty}", create=False)
+    with pytest.raises(BadInputError, match="is not a ckptstore store"):
+        ckptstore.open(folder)  # not even to commit into
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"] and list(empty.iterdir()) == []
+    ckptstore.open(empty).close()  # an empty folder becomes a store when asked to
+    assert (empty / "config.json").is_file()
+
+
+def test_a_store_that_lost_its_config_is_still_a_store(store, tmp_path):
+    root = store.objects.root
+    store.close()
+    (root / "config.json").unlink()
+    reopened = ckptstore.open(root, create=False)
+    assert reopened.steps() == [4] and (root / "config.json").is_file()
+
+
+@pytest.mark.parametrize("grace", ["nan", "inf", "-1", "-5m", "soon", "NaNs"])
+def test_gc_refuses_a_grace_that_is_not_a_finite_non_negative_duration(store, run, grace, monkeypatch):
+    result = run("--store", store.objects.uri, "gc", "--grace", grace)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    monkeypatch.setenv("CKPTSTORE_GC_GRACE", grace)
+    with pytest.raises(BadInputError, match="CKPTSTORE_GC_GRACE"):
+        store.gc()
+
+
+@pytest.mark.parametrize("grace", [float("nan"), float("inf"), -1.0, "soon", True])
+def test_gc_refuses_such_a_grace_from_python_too(store, grace):
+    with pytest.raises(BadInputError, match="grace period"):
+        store.gc(grace=grace)
+    assert store.steps() == [4]
