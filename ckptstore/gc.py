@@ -11,7 +11,8 @@ Order of a collection, each phase safe to interrupt:
    next open lists the steps again from their manifests: nothing is lost, the next gc drops
    them.
 4. Sweep: delete every pack, blob and stored auxiliary file (``files=``) no kept step
-   references and older than the grace period.
+   references and older than the grace period, and the unfinished writes (``.tmp``) killed
+   writers left that are older than it too.
 
 Concurrency. A commit holds the store's gc lock shared from choosing its layers to recording
 its step; gc holds it exclusive from step 2 to the end. So a gc runs wholly before a commit
@@ -56,6 +57,9 @@ class GcReport:
     steps_weights_only: list[int] = field(default_factory=list)  # kept, their weights only
     steps_thinned: list[int] = field(default_factory=list)  # of those, made weights-only by this run
     layers_thinned: int = 0  # layer units rewritten without their optimizer state
+    # unfinished writes (``.tmp``) killed writers left, older than the grace period
+    temporary_freed: int = 0
+    temporary_bytes_freed: int = 0
 
     def as_dict(self) -> dict:
         """Plain dict for ``--json``."""
@@ -72,6 +76,8 @@ class GcReport:
             "steps_weights_only": self.steps_weights_only,
             "steps_thinned": self.steps_thinned,
             "layers_thinned": self.layers_thinned,
+            "temporary_freed": self.temporary_freed,
+            "temporary_bytes_freed": self.temporary_bytes_freed,
         }
 
 
@@ -225,6 +231,7 @@ def collect(
         report.bytes_spared = sum(info.size for info in doomed.spared + doomed_files.spared)
         report.blobs_freed, report.files_freed = len(doomed.gone), len(doomed_files.gone)
         report.bytes_freed = sum(info.size for info in doomed.gone + doomed_files.gone)
+        _sweep_temporary(objects, cutoff, report)
         if dry_run:
             return report
 
@@ -238,6 +245,16 @@ def collect(
         _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")
         catalog.forget_blobs(doomed.gone_keys)
         return report
+
+
+def _sweep_temporary(objects: ObjectStore, cutoff: float, report: GcReport) -> None:
+    """Delete (unless ``report.dry_run``) the unfinished writes older than ``cutoff``: what a
+    killed commit or ``catalog rebuild`` left. Younger ones may be in flight and stay."""
+    stale = [info for info in objects.list_temporary() if info.mtime <= cutoff]
+    report.temporary_freed = len(stale)
+    report.temporary_bytes_freed = sum(info.size for info in stale)
+    if stale and not report.dry_run:
+        objects.delete_temporary([info.name for info in stale])
 
 
 def _best_steps(catalog: Catalog, rules: list[KeepBest]) -> list[int] | None:

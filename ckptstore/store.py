@@ -170,9 +170,12 @@ class Store:
         ``ckptstore.materialize.compose``) picks the step of every layer range and of the
         non-tensor state, which names the directory. The directory is built beside ``out``
         and renamed into place, so ``out`` never holds a partial checkpoint. An existing
-        non-empty ``out`` is refused unless ``force``. Raises NotFoundError (unknown step,
-        missing blob), BadInputError (a bad spec: nothing is written), CorruptError (a blob
-        fails verification: nothing is written), ConflictError (non-empty ``out``).
+        non-empty ``out`` is refused unless ``force``, and ``force`` replaces only a folder
+        materialize or export wrote (``materialize.outputs``). Raises NotFoundError (unknown
+        step, missing blob), BadInputError (a bad spec, or an ``out`` that is empty, is, holds
+        or lies in the store, or holds the working directory: nothing is written),
+        CorruptError (a blob fails verification, or an auxiliary file row names a path
+        ``auxfiles.refusal`` refuses: nothing is written), ConflictError (non-empty ``out``).
         """
         return materialize(
             self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
@@ -198,8 +201,9 @@ class Store:
         (float32, bfloat16 or float16; default the training dtype); tied weights are written
         once. ``spec`` (a compose spec) instead of a step takes each layer from its step.
         Memory stays a few tensors; ``out`` appears only once complete, and an existing
-        non-empty ``out`` is refused unless ``force``. Raises NotFoundError (unknown step,
-        missing pack), BadInputError (bad dtype, size or spec), CorruptError, ConflictError.
+        non-empty ``out`` is refused unless ``force`` (which replaces only a folder materialize
+        or export wrote, as for ``materialize``). Raises NotFoundError (unknown step, missing
+        pack), BadInputError (bad dtype, size, spec or ``out``), CorruptError, ConflictError.
         """
         if out is None:
             raise BadInputError("export needs an output directory")

@@ -72,6 +72,9 @@ class VerifyReport:
     orphans: list[str] = field(default_factory=list)
     # objects under blobs/, files/ or manifests/ whose names are not names the store writes
     stray_objects: list[str] = field(default_factory=list)
+    # unfinished writes (``.tmp``): in flight, or left by killed writers (gc removes old ones)
+    temporary: int = 0
+    temporary_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -100,6 +103,8 @@ class VerifyReport:
             "manifest_problems": self.manifest_problems,
             "orphans": self.orphans,
             "stray_objects": self.stray_objects,
+            "temporary": self.temporary,
+            "temporary_bytes": self.temporary_bytes,
         }  # fmt: skip
 
 
@@ -161,7 +166,14 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     files = layout.list_files(objects)
     _verify_files(objects, catalog, files, report)
     report.stray_objects = sorted(manifests.stray + blobs.stray + packs.stray + files.stray)
+    _count_temporary(objects, report)
     return report
+
+
+def _count_temporary(objects: ObjectStore, report: VerifyReport) -> None:
+    """Unfinished writes are information: in flight, or left by a killed writer for gc."""
+    temporary = list(objects.list_temporary())
+    report.temporary, report.temporary_bytes = len(temporary), sum(info.size for info in temporary)
 
 
 def _verify_files(

@@ -5,6 +5,7 @@
   WORLD_SIZE, LOCAL_RANK) at import time, i.e. before collection imports deepspeed anywhere: the
   accelerator is chosen once, at deepspeed's first use, so a fixture would run too late.
 * ``run``: the CLI run in this process, returning (returncode, stdout, stderr).
+* ``zero1_engine``: a small trained engine to commit, one per test module.
 * At session end destroys the torch.distributed process group that the first DeepSpeed engine
   created (engines share it for the whole process). A clean exit did not need this in any case
   tried (see tools/engines.py), it is insurance.
@@ -71,6 +72,16 @@ def run(capsys, monkeypatch):
         return CliResult(code, out, err)
 
     return invoke
+
+
+@pytest.fixture(scope="module")
+def zero1_engine():
+    """A ZeRO-1 bf16 two-block Llama trained one batch: state to commit, built once per module."""
+    from tools.engines import batches, build_engine, train
+
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    train(engine, batches(1))
+    return engine
 
 
 @pytest.fixture(scope="session", autouse=True)

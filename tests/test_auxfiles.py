@@ -59,10 +59,8 @@ def code_running_pickle(marker: pathlib.Path) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
-    train(engine, batches(1))
-    return engine
+def engine(zero1_engine):
+    return zero1_engine
 
 
 @pytest.fixture

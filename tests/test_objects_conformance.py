@@ -151,6 +151,21 @@ def test_in_flight_writes_are_never_listed(backend):
     assert not backend.objects.exists("blobs/ab/half")
 
 
+def test_an_interrupted_write_is_listed_as_unfinished_until_deleted(backend):
+    objects = backend.objects
+    objects.put_if_absent("blobs/ab/done", b"x")
+    backend.leave_half_written("blobs/ab/half", b"partial")
+    [unfinished] = objects.list_temporary()
+    assert unfinished.name.startswith("blobs/ab/half") and unfinished.name != "blobs/ab/half"
+    objects.delete_temporary([unfinished.name])
+    objects.delete_temporary([unfinished.name])  # gone already: not an error
+    assert list(objects.list_temporary()) == []
+    assert [o.name for o in objects.list("blobs/")] == ["blobs/ab/done"]
+    with pytest.raises(BadInputError):
+        objects.delete_temporary(["blobs/ab/done"])  # never a finished object
+    assert objects.get("blobs/ab/done") == b"x"
+
+
 def test_listing_gives_every_object_under_a_prefix_in_name_order_with_sizes(backend):
     objects = backend.objects
     for name, data in [("blobs/cd/2", b"22"), ("blobs/ab/1", b"1"), ("manifests/000000000003.json", b"{}")]:

@@ -11,14 +11,11 @@ import pytest
 import ckptstore
 from ckptstore.errors import BadInputError, ConflictError, NotFoundError
 from ckptstore.materialize.outputs import MARKER
-from tools.engines import batches, build_engine, train
 
 
 @pytest.fixture(scope="module")
-def engine():
-    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
-    train(engine, batches(1))
-    return engine
+def engine(zero1_engine):
+    return zero1_engine
 
 
 @pytest.fixture
@@ -116,6 +113,9 @@ def test_commands_other_than_commit_never_create_a_store(tmp_path, run):
         assert result.stderr.strip() == f"error: no store at {empty} (it has no config.json)"
     with pytest.raises(NotFoundError, match="no store at"):
         ckptstore.open(f"file://{empty}", create=False)
+    for uri in ("file://", ""):
+        with pytest.raises(BadInputError, match="names no path|no store given"):
+            ckptstore.open(uri, create=False)
     with pytest.raises(BadInputError, match="is not a ckptstore store"):
         ckptstore.open(folder)  # not even to commit into
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"] and list(empty.iterdir()) == []

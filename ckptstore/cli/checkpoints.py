@@ -35,7 +35,9 @@ def check_step_or_spec(step: int | None, spec: str | None) -> None:
     "--world-size", type=click.IntRange(min=1), default=None,
     help="Data-parallel size of the job that will load it (default: the committing job's).",
 )  # fmt: skip
-@click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option(
+    "--force", is_flag=True, help="Replace OUT if materialize or export wrote it (never another folder)."
+)
 @click.option(
     "--tag", default=None,
     help="Name of the checkpoint folder in OUT, and what `latest` says (default global_step<STEP>; "
@@ -89,7 +91,9 @@ def materialize(
     "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, show_default=True,
     help="Split the weights into files of at most this size (e.g. 2GB, 500MB), as save_pretrained does.",
 )  # fmt: skip
-@click.option("--force", is_flag=True, help="Replace OUT if it exists and is not empty.")
+@click.option(
+    "--force", is_flag=True, help="Replace OUT if materialize or export wrote it (never another folder)."
+)
 @click.argument("out", type=click.Path(file_okay=False))
 @store_option
 @click.pass_context

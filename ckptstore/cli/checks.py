@@ -47,6 +47,11 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
                 f"info: {len(report.stray_objects)} object(s) whose names ckptstore does not write: {shown} "
                 "(left alone by gc)"
             )
+        if report.temporary:
+            click.echo(
+                f"info: {report.temporary} unfinished write(s) ({human(report.temporary_bytes)}), in flight or "
+                "left by killed commands (gc removes those older than the grace period)"
+            )
         mode = "re-hashed" if report.deep else "checked"
         problems = [report.problems, report.file_problems, report.catalog_problems, report.manifest_problems]
         verdict = "clean" if report.ok else f"{sum(map(len, problems))} problem(s)"

@@ -52,6 +52,9 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
     spared = report.blobs_spared + report.files_spared
     click.echo(f"{freed} {report.blobs_freed} pack(s) and blob(s){files}, {human(report.bytes_freed)}; "
                f"spared {spared} younger than the grace period ({human(report.bytes_spared)})")  # fmt: skip
+    if report.temporary_freed:
+        click.echo(f"{'would remove' if report.dry_run else 'removed'} {report.temporary_freed} unfinished "
+                   f"write(s) left by killed commands ({human(report.temporary_bytes_freed)})")  # fmt: skip
 
 
 @cli.command()

@@ -114,6 +114,17 @@ class ObjectStore(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every finished object whose name starts with ``prefix`` (in-flight writes are never listed)."""
 
+    def list_temporary(self) -> Iterator[ObjectInfo]:
+        """Unfinished writes: in flight, or left by a writer that was killed (never listed by
+        ``list``). gc deletes those older than its grace period (``delete_temporary``); verify
+        counts them. None by default: a backend whose writes leave nothing behind."""
+        return iter(())
+
+    def delete_temporary(self, names: list[str]) -> None:
+        """Remove the unfinished writes ``list_temporary`` named (gone ones are not an error)."""
+        if names:
+            raise NotImplementedError(f"{type(self).__name__} lists no unfinished writes to delete")
+
 
 def check_name(name: str) -> str:
     """``name`` if it is a valid object name; BadInputError for empty, absolute, ``..``, ``.tmp`` names."""
@@ -147,6 +158,8 @@ def open_objects(uri: str, *, create: bool = True, endpoint_url: str | None = No
         path = parsed.path if parsed.scheme == "file" else uri
         if parsed.scheme == "file" and parsed.netloc:
             raise BadInputError(f"file URIs name a local path (file:///abs/path), not a host: {uri}")
+        if not path:  # "file://" would otherwise name the working directory
+            raise BadInputError(f"{uri!r} names no path (file:///abs/path)")
         return LocalObjectStore(path, create=create)
     raise BadInputError(
         f"unsupported store URI scheme {parsed.scheme!r} in {uri!r} (use a path, file:// or s3://)"

@@ -211,3 +211,31 @@ class LocalObjectStore(ObjectStore):
                 except FileNotFoundError:
                     continue
                 yield ObjectInfo(name, st.st_size, st.st_mtime)
+
+    def list_temporary(self) -> Iterator[ObjectInfo]:
+        # put_if_absent's ``<name>.<uuid>.tmp`` files, and what a killed ``catalog rebuild`` left
+        # (``catalog.db.rebuild-<hex>.tmp`` with SQLite's -wal/-shm/-journal files beside it).
+        suffix = knobs.tmp_suffix()
+        endings = (suffix, f"{suffix}-wal", f"{suffix}-shm", f"{suffix}-journal")
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for filename in sorted(f for f in filenames if f.endswith(endings)):
+                try:
+                    st = os.stat(os.path.join(dirpath, filename))
+                except FileNotFoundError:
+                    continue
+                name = filename if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{filename}"
+                yield ObjectInfo(name, st.st_size, st.st_mtime)
+
+    def delete_temporary(self, names: list[str]) -> None:
+        suffix = knobs.tmp_suffix()
+        for name in names:
+            parts = name.split("/")
+            # Only ever an unfinished write's name: never a finished object, never outside the store.
+            if any(p in ("", ".", "..") for p in parts) or suffix not in parts[-1]:
+                raise BadInputError(f"{name!r} is not the name of an unfinished write")
+            try:
+                self.root.joinpath(*parts).unlink(missing_ok=True)
+            except OSError as exc:
+                raise _storage_error("delete", name, exc) from None

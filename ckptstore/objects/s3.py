@@ -358,5 +358,41 @@ class S3ObjectStore(ObjectStore):
         except (ClientError, BotoCoreError) as exc:
             raise self._error("list", prefix, exc) from None
 
+    def list_temporary(self) -> Iterator[ObjectInfo]:
+        # An S3 write leaves no partial object, but a writer killed during a multipart upload
+        # leaves the upload open, its parts billed until it is aborted (or a lifecycle rule
+        # does). Named ``<object name>#<upload id>``; the size is not listed here (0).
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=self.prefix
+        )
+        try:
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    name = upload["Key"][len(self.prefix) :]
+                    yield ObjectInfo(f"{name}#{upload['UploadId']}", 0, upload["Initiated"].timestamp())
+        except ClientError as exc:
+            # Credentials allowed to read and write objects may lack ListBucketMultipartUploads,
+            # and some S3-compatible servers lack the call: there is then nothing to report.
+            if error_code(exc)[0] in ("AccessDenied", "NotImplemented", "MethodNotAllowed"):
+                return
+            raise self._error("list unfinished uploads of", self.prefix or "/", exc) from None
+        except BotoCoreError as exc:
+            raise self._error("list unfinished uploads of", self.prefix or "/", exc) from None
+
+    def delete_temporary(self, names: list[str]) -> None:
+        for entry in names:
+            name, _, upload_id = entry.rpartition("#")
+            if not name or not upload_id:
+                raise BadInputError(f"{entry!r} is not the name of an unfinished upload")
+            try:
+                self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=self._key(name), UploadId=upload_id
+                )
+            except ClientError as exc:
+                if error_code(exc)[0] != "NoSuchUpload":
+                    raise self._error("abort the upload of", name, exc) from None
+            except BotoCoreError as exc:
+                raise self._error("abort the upload of", name, exc) from None
+
     def __repr__(self) -> str:
         return f"S3ObjectStore({self.uri!r}, endpoint={self.endpoint!r})"
