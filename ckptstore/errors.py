@@ -70,3 +70,9 @@ def require_int(value: object, what: str, *, minimum: int | None = None) -> int:
         )
         raise BadInputError(f"{what} must be {kind}, not {value!r}")
     return value
+
+
+def clip(text: str, limit: int = 160) -> str:
+    """``text`` cut to about ``limit`` characters: for quoting what a stored object says (a name,
+    a parser's complaint) in an error, which must stay one readable line whatever the object holds."""
+    return text if len(text) <= limit else f"{text[: limit - 12]}... ({len(text)} chars)"

@@ -122,3 +122,14 @@ def pack_bytes() -> int:
     """Tensor bytes past which a rank's pack of one layer is cut into several (format 2): bounds
     what a commit holds encoded per thread, and lets a big layer compress on several cores."""
     return _int("PACK_BYTES", 32 * 1024 * 1024)
+
+
+def manifest_max_expansion() -> int:
+    """A manifest may decompress to at most this many times its stored size (or
+    ``manifest_min_bound``): its JSON compresses about ten times, a zstd bomb thousands."""
+    return _int("MANIFEST_MAX_EXPANSION", 64)
+
+
+def manifest_min_bound() -> int:
+    """Bytes any manifest may decompress to, however small it is stored."""
+    return _int("MANIFEST_MIN_BOUND", 4 * 1024 * 1024)

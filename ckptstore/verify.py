@@ -118,7 +118,8 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     manifests = layout.list_manifests(objects)
     _verify_manifests(objects, catalog, manifests, report)
     users = catalog.referenced_blobs()
-    sizes = {key: size.size for key, size in catalog.blob_sizes(users).items()}
+    recorded = catalog.blob_sizes(users)
+    sizes = {key: size.size for key, size in recorded.items()}
     report.catalog_problems.extend(catalog.consistency_problems())
     report.catalog_problems.extend(
         f"blob {blob} is referenced but has no size record" for blob in users if blob not in sizes
@@ -143,10 +144,11 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
             return key, f"has {stored[key]} bytes, the catalog recorded {sizes[key]}", stored[key]
         if deep:
             try:
+                # Sizes the catalog records bound what a decode may allocate (tests/test_bombs.py).
                 if key in pack_users:
-                    fetch_pack(objects, key, cpu)
+                    fetch_pack(objects, key, cpu, pack_users[key][0].raw_size)
                 else:
-                    fetch_blob(objects, key, cpu)
+                    fetch_blob(objects, key, cpu, recorded[key].raw_size if key in recorded else None)
             except NotFoundError:
                 return key, "is missing", 0
             except CorruptError as exc:

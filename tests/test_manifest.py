@@ -43,7 +43,11 @@ def with_packs():
     index = layerpacks.build(
         6, "layers.0", [(PackRef("ef" * 16, 0, 90, 48), [("layers.0.w", "fp32", "float32", 0, 12)])]
     )
-    return dataclasses.replace(example(), tensors=[], blobs=[], packs={"layers.0": index})
+    # A pack index is held to the parameter shapes the description gives (tests/test_bombs.py).
+    description = '{"params":{"layers.0.w":{"shape":[3,4]}}}'
+    return dataclasses.replace(
+        example(), description=description, tensors=[], blobs=[], packs={"layers.0": index}
+    )
 
 
 def test_a_format_2_manifest_round_trips_its_pack_indexes():

@@ -21,8 +21,13 @@ class LayerPackQueries:
         ``layers``), in no particular order."""
         rows = self.db.execute("SELECT layer, packs FROM layer_packs WHERE step = ?", [step]).fetchall()
         wanted = None if layers is None else set(layers)
+        if not rows:
+            return []
+        numels = layerpacks.numels(self.description(step))  # what bounds each index
         return [
-            layerpacks.decode(data, step, layer) for layer, data in rows if wanted is None or layer in wanted
+            layerpacks.decode(data, step, layer, numels)
+            for layer, data in rows
+            if wanted is None or layer in wanted
         ]
 
     def _used_layer_packs(self, steps: Iterable[int] | None) -> Iterable[tuple[int, LayerPacks]]:
@@ -37,9 +42,12 @@ class LayerPackQueries:
             sql += " WHERE l.step IN (SELECT value FROM json_each(?))"
             params.append(json.dumps(list(steps)))
         decoded: dict[tuple[int, str], LayerPacks] = {}
+        numels: dict[int, dict[str, int]] = {}  # source step -> what bounds its indexes
         for step, source, layer, data in self.db.execute(sql + " ORDER BY l.step", params):
             if (source, layer) not in decoded:
-                decoded[(source, layer)] = layerpacks.decode(data, source, layer)
+                if source not in numels:
+                    numels[source] = layerpacks.numels(self.description(source))
+                decoded[(source, layer)] = layerpacks.decode(data, source, layer, numels[source])
             yield step, decoded[(source, layer)]
 
     def packs_of_steps(self, steps: Iterable[int]) -> set[str]:

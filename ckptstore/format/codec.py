@@ -233,13 +233,31 @@ def parse_header(blob: bytes | memoryview) -> BlobInfo:
     return BlobInfo(codec, dtype, tuple(shape), raw_size, offset)
 
 
-def decode(blob: bytes | memoryview, key: str | None = None) -> torch.Tensor:
+def check_raw_size(info: BlobInfo, raw_size: int | None) -> None:
+    """Refuse a header declaring other than ``raw_size`` bytes (what the blob's referrer
+    records: the catalog's size row, or the element count the layer index gives the entry).
+
+    A header is the blob's own claim: a few bytes of zstd can declare a gigabyte of zeros, so
+    nothing is allocated for it until whoever points at the blob has agreed on its size.
+    """
+    if raw_size is not None and info.raw_size != raw_size:
+        raise CorruptError(f"blob header declares {info.raw_size} bytes, its referrer records {raw_size}")
+
+
+def decode(blob: bytes | memoryview, key: str | None = None, raw_size: int | None = None) -> torch.Tensor:
     """Decode blob bytes into a tensor; when ``key`` is given, verify the content hash.
 
+    ``raw_size``: the uncompressed size the blob's referrer records; the header must declare
+    exactly that before anything is allocated (``check_raw_size``). Without it a RAW blob is
+    still held to its payload's length, but a compressed one is trusted up to its header.
     Raises CorruptError if the bytes are malformed, the payload does not decompress to the
     recorded size, or the content does not hash to ``key``.
     """
     info = parse_header(blob)
+    check_raw_size(info, raw_size)
+    payload = memoryview(blob).nbytes - info.header_size
+    if info.codec == RAW and payload != info.raw_size:
+        raise CorruptError(f"blob payload holds {payload} bytes, header says {info.raw_size}")
     tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype])
     decode_into(blob, key, tensor)
     return tensor
@@ -291,3 +309,25 @@ def decompress_frame(data: bytes, max_size: int) -> bytes:
     if not stream.eof or stream.unused_data or len(content) != declared:
         raise CorruptError("a compressed frame is truncated or followed by other bytes")
     return content
+
+
+def frame_size(data: bytes) -> int:
+    """The content size the zstd frame ``data`` declares; CorruptError if it declares none."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise CorruptError(f"a compressed frame is damaged ({exc})") from None
+    if declared < 0:
+        raise CorruptError("a compressed frame does not declare its size")
+    return declared
+
+
+def peek_frame(data: bytes, size: int) -> bytes:
+    """The first ``size`` bytes (fewer if the frame holds fewer) of the zstd frame ``data``,
+    decompressing no more than that: how a reader checks what a frame's head declares before
+    deciding how much of it may be decompressed."""
+    try:
+        with _decompressor().stream_reader(data) as reader:
+            return reader.read(size)
+    except zstandard.ZstdError as exc:
+        raise CorruptError(f"a compressed frame is damaged ({exc})") from None

@@ -16,12 +16,14 @@ and the names of its tensors once. Layout::
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Mapping
 
 import numpy as np
 import zstandard
 
-from ..errors import CorruptError
+from ..errors import CorruptError, clip
 from ..model import NUMEL, PACK, START, TENSOR, LayerPacks, PackRef
 from . import codec
 from .config import check_version
@@ -31,8 +33,8 @@ FORMAT_VERSION = 1
 _PREAMBLE = struct.Struct("<4sB")
 _LENGTH = struct.Struct("<I")
 _INT = np.dtype("<i8")
-# A layer index never decompresses to more than this (a million fragments take 32 MB).
-_MAX_BYTES = 1 << 30
+# The head names the layer's tensors (about 60 bytes each): no layer ckptstore writes comes close.
+_MAX_HEAD = 1 << 22
 
 
 def build(
@@ -77,19 +79,30 @@ def encode(index: LayerPacks) -> bytes:
     return _PREAMBLE.pack(MAGIC, FORMAT_VERSION) + compressor.compress(b"".join(body))
 
 
-def decode(data: bytes | memoryview, step: int, layer: str) -> LayerPacks:
+def decode(
+    data: bytes | memoryview, step: int, layer: str, numels: Mapping[str, int] | None = None
+) -> LayerPacks:
     """The index of ``layer`` saved at ``step`` from its bytes. Raises CorruptError for
-    anything malformed, UnsupportedError for an index of a newer format."""
+    anything malformed, UnsupportedError for an index of a newer format.
+
+    ``numels``: elements of each parameter, from the step's description (its referrer). A
+    fragment holds at least one element (an empty tensor is one whole fragment), so a tensor
+    of n elements has at most n fragments, and a layer's packs hold at least one fragment
+    each: with ``numels`` the counts the head declares are held to that before the rest of
+    the frame is decompressed. Without it they are held only to the frame's declared size.
+    """
     data = bytes(data)
+    what = f"the pack index of {layer} at step {step}"
     if len(data) < _PREAMBLE.size or data[:4] != MAGIC:
-        raise CorruptError(f"the pack index of {layer} at step {step} is not one (bad magic)")
-    check_version(f"the pack index of {layer} at step {step}", data[4], FORMAT_VERSION)
+        raise CorruptError(f"{what} is not one (bad magic)")
+    check_version(what, data[4], FORMAT_VERSION)
+    frame = data[_PREAMBLE.size :]
     try:
-        body = codec.decompress_frame(data[_PREAMBLE.size :], _MAX_BYTES)
-        (length,) = _LENGTH.unpack_from(body)
-        head = json.loads(body[_LENGTH.size : _LENGTH.size + length])
-        tensors = [(str(n), str(k), str(d)) for n, k, d in head["tensors"]]
-        n, m = int(head["packs"]), int(head["fragments"])
+        length, tensors, n, m = _head(frame, numels)
+        size = _LENGTH.size + length + 40 * n + 32 * m
+        if codec.frame_size(frame) != size:
+            raise CorruptError(f"its frame does not hold the {n} packs and {m} fragments its head declares")
+        body = codec.decompress_frame(frame, size)
         position = _LENGTH.size + length
         keys = body[position : position + 16 * n]
         position += 16 * n
@@ -99,21 +112,66 @@ def decode(data: bytes | memoryview, step: int, layer: str) -> LayerPacks:
         ranks, sizes, raws = ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n]
         tensor, pack, gap, numel = (ints[3 * n + i * m : 3 * n + (i + 1) * m] for i in range(4))
     except CorruptError as exc:
-        raise CorruptError(f"the pack index of {layer} at step {step} is malformed ({exc})") from None
+        raise CorruptError(f"{what} is malformed ({clip(str(exc))})") from None
     except (zstandard.ZstdError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise CorruptError(f"the pack index of {layer} at step {step} is malformed ({exc!r})") from None
+        raise CorruptError(f"{what} is malformed ({clip(repr(exc))})") from None
     tensor, pack = np.cumsum(tensor), np.cumsum(pack)
     start = _starts(tensor, gap, numel)
     fragments = np.stack([tensor, pack, start, numel], axis=1) if m else np.zeros((0, 4), dtype=np.int64)
     if m and (tensor.min() < 0 or tensor.max() >= len(tensors) or pack.min() < 0 or pack.max() >= n
               or numel.min() < 0 or np.any(np.diff(tensor) < 0)):  # fmt: skip
-        raise CorruptError(f"the pack index of {layer} at step {step} points outside itself")
+        raise CorruptError(f"{what} points outside itself")
+    if m and numels is not None:
+        # -1: a tensor the description gives no shape (a buffer), bounded by the manifest alone
+        limit = np.array([numels.get(name, -1) for name, _, _ in tensors], dtype=np.int64)[tensor]
+        if np.any((limit >= 0) & ((start < 0) | (start + numel > limit))):
+            raise CorruptError(f"{what} has fragments past the end of their parameters")
     hexed = keys.hex()
     packs = [
         PackRef(hexed[32 * i : 32 * (i + 1)], rank, size, raw)
         for i, (rank, size, raw) in enumerate(zip(ranks.tolist(), sizes.tolist(), raws.tolist(), strict=True))
     ]
     return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64))
+
+
+def numels(description: object) -> dict[str, int]:
+    """Elements of each parameter a step's description (JSON data or text) lists: what bounds its
+    layers' indexes (``decode``). CorruptError if it lists none, or a shape is malformed."""
+    if isinstance(description, str):  # the catalog's JSON text
+        try:
+            description = json.loads(description)
+        except ValueError:
+            raise CorruptError("a step description is not JSON") from None
+    params = description.get("params") if isinstance(description, dict) else None
+    if not isinstance(params, dict):
+        raise CorruptError("its description lists no parameters")
+    numels = {}
+    for name, param in params.items():
+        shape = param.get("shape") if isinstance(param, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CorruptError(f"parameter {clip(name)} has no valid shape")
+        numels[name] = math.prod(shape)
+    return numels
+
+
+def _head(frame: bytes, numels: Mapping[str, int] | None) -> tuple[int, list[tuple[str, str, str]], int, int]:
+    """``(len(head), tensors, packs, fragments)`` from the start of the frame, decompressing only
+    the head, its counts checked against ``numels`` (see ``decode``)."""
+    (length,) = _LENGTH.unpack(codec.peek_frame(frame, _LENGTH.size).ljust(_LENGTH.size, b"\0"))
+    if length > _MAX_HEAD:
+        raise CorruptError(f"its head of {length} bytes is implausibly large")
+    head = json.loads(codec.peek_frame(frame, _LENGTH.size + length)[_LENGTH.size :])
+    tensors = [(str(n), str(k), str(d)) for n, k, d in head["tensors"]]
+    n, m = head["packs"], head["fragments"]
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in (n, m)):
+        raise CorruptError("its head declares no valid counts")
+    if numels is not None:
+        most = sum(max(1, numels.get(name, 1)) for name, _, _ in tensors)
+        if m > most or n > m:
+            raise CorruptError(
+                f"its head declares {n} packs and {m} fragments; its {len(tensors)} tensors have room for {most}"
+            )
+    return length, tensors, n, m
 
 
 def _previous_ends(tensor: np.ndarray, start: np.ndarray, numel: np.ndarray) -> np.ndarray:

@@ -19,7 +19,8 @@ import struct
 
 import zstandard
 
-from ..errors import CorruptError
+from .. import knobs
+from ..errors import CorruptError, clip
 from ..model import BlobRow, FileRow, StepRecord, TensorRow
 from . import codec, layerpacks
 from .config import check_version
@@ -27,7 +28,6 @@ from .config import check_version
 MANIFEST_VERSION = 2
 MAGIC = b"CKPM"
 _LENGTH = struct.Struct("<I")
-_MAX_BYTES = 1 << 32  # what no manifest ckptstore writes decompresses to
 
 
 def _body(record: StepRecord) -> dict:
@@ -96,7 +96,7 @@ def decode(data: bytes) -> StepRecord:
     except CorruptError:
         raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error, zstandard.ZstdError) as exc:
-        raise CorruptError(f"malformed manifest: {exc!r}") from None
+        raise CorruptError(f"malformed manifest: {clip(repr(exc))}") from None
 
 
 def _unwrap(data: bytes) -> tuple[dict, bytes]:
@@ -104,7 +104,15 @@ def _unwrap(data: bytes) -> tuple[dict, bytes]:
     if len(data) < 5:
         raise CorruptError("malformed manifest: truncated")
     check_version("manifest", data[4], MANIFEST_VERSION)
-    payload = codec.decompress_frame(bytes(data[5:]), _MAX_BYTES)
+    frame = bytes(data[5:])
+    # The manifest is where a step's sizes start: nothing refers to it but its name, so the
+    # only referrer of its size is its own stored length. Its JSON compresses tens of times,
+    # its pack indexes (compressed already) hardly at all; a bomb compresses thousands of times.
+    most = max(knobs.manifest_min_bound(), len(frame) * knobs.manifest_max_expansion())
+    declared = codec.frame_size(frame)
+    if declared > most:
+        raise CorruptError(f"malformed manifest: {len(frame)} bytes that declare {declared} uncompressed")
+    payload = codec.decompress_frame(frame, most)
     (length,) = _LENGTH.unpack_from(payload)
     body = json.loads(payload[_LENGTH.size : _LENGTH.size + length])
     if not isinstance(body, dict):
@@ -116,11 +124,12 @@ def _record(body: dict, indexes: bytes) -> StepRecord:
     step = int(body["step"])
     sources = {str(layer): int(source) for layer, source in body["layers"]}
     packs, position = {}, 0
+    numels = layerpacks.numels(body["description"]) if body.get("packs") else None
     for layer, source, length in body.get("packs", []):
         chunk = indexes[position : position + int(length)]
         if len(chunk) != int(length):
             raise CorruptError("malformed manifest: truncated pack index")
-        packs[str(layer)] = layerpacks.decode(chunk, int(source), str(layer))
+        packs[str(layer)] = layerpacks.decode(chunk, int(source), str(layer), numels)
         position += int(length)
     if position != len(indexes):
         raise CorruptError("malformed manifest: bytes past its last pack index")

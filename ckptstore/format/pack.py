@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from ..errors import CorruptError
+from ..errors import CorruptError, clip
 from . import codec
 from .config import check_version
 
@@ -107,8 +107,9 @@ def index_bytes(entries: list[Entry]) -> bytes:
     return json.dumps(rows, separators=(",", ":")).encode()
 
 
-def index_length(preamble: bytes | memoryview) -> int:
-    """The index length a pack's first ``PREAMBLE.size`` bytes declare; refuses what is no pack."""
+def index_length(preamble: bytes | memoryview, size: int | None = None) -> int:
+    """The index length a pack's first ``PREAMBLE.size`` bytes declare; refuses what is no pack,
+    and an index longer than the pack's recorded ``size`` leaves room for (before it is read)."""
     if len(preamble) < PREAMBLE.size:
         raise CorruptError("truncated pack (no preamble)")
     magic, version, length = PREAMBLE.unpack_from(preamble)
@@ -117,16 +118,19 @@ def index_length(preamble: bytes | memoryview) -> int:
     check_version("pack", version, FORMAT_VERSION)
     if length > MAX_INDEX_BYTES:
         raise CorruptError(f"pack index of {length} bytes is implausibly large")
+    if size is not None and PREAMBLE.size + length > size:
+        raise CorruptError(f"pack index of {length} bytes does not fit the pack's recorded {size} bytes")
     return length
 
 
-def parse_index(head: bytes | memoryview, key: str | None = None) -> list[Entry]:
+def parse_index(head: bytes | memoryview, key: str | None = None, size: int | None = None) -> list[Entry]:
     """The entries of a pack from its first bytes (preamble and index; more is ignored).
 
-    With ``key``, the index must hash to it. Raises CorruptError for anything malformed,
-    UnsupportedError for a pack of a newer format.
+    With ``key``, the index must hash to it; with ``size`` (the pack's stored size, as the
+    layer index records it), the index and every entry must lie within that many bytes.
+    Raises CorruptError for anything malformed, UnsupportedError for a pack of a newer format.
     """
-    length = index_length(head)
+    length = index_length(head, size)
     index = bytes(memoryview(head)[PREAMBLE.size : PREAMBLE.size + length])
     if len(index) != length:
         raise CorruptError("truncated pack index")
@@ -136,39 +140,61 @@ def parse_index(head: bytes | memoryview, key: str | None = None) -> list[Entry]
             for name, kind, start, tensor, offset, size in json.loads(index)
         ]
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise CorruptError(f"malformed pack index: {exc!r}") from None
+        raise CorruptError(f"malformed pack index: {clip(repr(exc))}") from None
     if key is not None and pack_key([(e.name, e.kind, e.start, e.key) for e in entries]) != key:
         raise CorruptError(f"pack index does not hash to {key}")
     position = PREAMBLE.size + length
     for entry in entries:
         if entry.offset != position or entry.length < 0:
-            raise CorruptError(f"pack entry {entry.name} {entry.kind} is not where the index puts it")
+            raise CorruptError(f"pack entry {_named(entry)} is not where the index puts it")
         position += entry.length
+    if size is not None and position > size:
+        raise CorruptError(f"pack index places {position} bytes in a pack of {size}")
     return entries
 
 
-def decode_entry(data: bytes | memoryview, entry: Entry) -> torch.Tensor:
+def _named(entry: Entry) -> str:
+    return clip(f"{entry.name} {entry.kind}", 120)
+
+
+def decode_entry(data: bytes | memoryview, entry: Entry, raw_size: int | None = None) -> torch.Tensor:
     """The tensor of ``entry`` from ``data``, the pack's bytes from ``entry.offset`` on (at least
-    ``entry.length`` of them), verified against its content key."""
+    ``entry.length`` of them), verified against its content key. ``raw_size``: the bytes the
+    layer index says the entry's tensor holds (see ``codec.decode``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
-        raise CorruptError(f"pack entry {entry.name} {entry.kind} is truncated")
-    return codec.decode(blob, entry.key)
+        raise CorruptError(f"pack entry {_named(entry)} is truncated")
+    try:
+        return codec.decode(blob, entry.key, raw_size)
+    except CorruptError as exc:
+        raise CorruptError(f"pack entry {_named(entry)}: {exc}") from None
 
 
 def decode_entry_into(data: bytes | memoryview, entry: Entry, out: torch.Tensor) -> None:
     """``decode_entry`` straight into ``out`` (see ``codec.decode_into``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
-        raise CorruptError(f"pack entry {entry.name} {entry.kind} is truncated")
+        raise CorruptError(f"pack entry {_named(entry)} is truncated")
     codec.decode_into(blob, entry.key, out)
 
 
-def decode(data: bytes | memoryview, key: str | None = None) -> list[tuple[Entry, torch.Tensor]]:
-    """Every entry of a whole pack with its verified tensor; the pack must end after its last."""
+def decode(
+    data: bytes | memoryview, key: str | None = None, raw_size: int | None = None
+) -> list[tuple[Entry, torch.Tensor]]:
+    """Every entry of a whole pack with its verified tensor; the pack must end after its last.
+
+    ``raw_size``: the bytes of tensors the layer index records for the pack; its entries'
+    headers must declare that much together before any is decoded.
+    """
     view = memoryview(data)
     entries = parse_index(view, key)
     end = entries[-1].offset + entries[-1].length if entries else PREAMBLE.size + index_length(view)
     if len(view) != end:
         raise CorruptError(f"pack holds {len(view)} bytes, its index accounts for {end}")
+    if raw_size is not None:
+        declared = sum(codec.parse_header(view[e.offset : e.offset + e.length]).raw_size for e in entries)
+        if declared != raw_size:
+            raise CorruptError(
+                f"pack entries declare {declared} bytes of tensors, its referrer records {raw_size}"
+            )
     return [(entry, decode_entry(view[entry.offset :], entry)) for entry in entries]

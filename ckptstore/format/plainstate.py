@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptError, UnsupportedError
+from ..errors import CorruptError, UnsupportedError, clip
 from .codec import DTYPES, dtype_name
 
 # Objects rebuilt from their attribute dict. Only these classes are ever instantiated on read.
@@ -101,10 +101,19 @@ def from_plain(data: Any) -> Any:
         if "__tensor__" in data:
             spec = data["__tensor__"]
             dtype = DTYPES[spec["dtype"]]
+            shape = spec["shape"]
             raw = bytearray(base64.b64decode(spec["data"]))
+            # The shape is the entry's own claim: it must be what its bytes hold, or a few
+            # bytes could declare a tensor of gigabytes that a writer then fills and saves.
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise CorruptError(f"a stored tensor has a malformed shape {clip(repr(shape))}")
+            if math.prod(shape) * dtype.itemsize != len(raw):
+                raise CorruptError(
+                    f"a stored tensor of shape {clip(repr(shape))} holds {len(raw)} bytes of {dtype}"
+                )
             if not raw:
-                return torch.empty(spec["shape"], dtype=dtype)
-            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(spec["shape"]).clone()
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
         if "__dtype__" in data:
             return DTYPES[data["__dtype__"]]
         if "__tuple__" in data:
@@ -123,7 +132,7 @@ def from_plain(data: Any) -> Any:
             obj.__dict__.update(from_plain(data["attrs"]))
             return obj
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CorruptError(f"malformed stored state: {exc!r}") from None
+        raise CorruptError(f"malformed stored state: {clip(repr(exc))}") from None
     return {k: from_plain(v) for k, v in data.items()}
 
 

@@ -36,8 +36,11 @@ T = TypeVar("T")
 _HEAD_GUESS = 64 * 1024
 
 
-def fetch_blob(objects: ObjectStore, key: str, cpu: threading.Semaphore) -> torch.Tensor:
+def fetch_blob(
+    objects: ObjectStore, key: str, cpu: threading.Semaphore, raw_size: int | None = None
+) -> torch.Tensor:
     """The blob ``key``, fetched, decoded and verified, its CPU work done holding a ``cpu`` slot.
+    ``raw_size``: its uncompressed size as the catalog records it (checked before decoding).
 
     Many threads may fetch while only as many as there are slots decode. A local read is a
     copy out of the page cache, CPU work like decoding, so it holds the slot too; a network
@@ -45,19 +48,20 @@ def fetch_blob(objects: ObjectStore, key: str, cpu: threading.Semaphore) -> torc
     """
     if objects.reads_are_local:
         with cpu:
-            return codec.decode(objects.get(blob_name(key)), key)
+            return codec.decode(objects.get(blob_name(key)), key, raw_size)
     data = objects.get(blob_name(key))
     with cpu:
-        return codec.decode(data, key)
+        return codec.decode(data, key, raw_size)
 
 
 def fetch_pack(
-    objects: ObjectStore, key: str, cpu: threading.Semaphore
+    objects: ObjectStore, key: str, cpu: threading.Semaphore, raw_size: int | None = None
 ) -> list[tuple[pack.Entry, torch.Tensor]]:
-    """Every entry of the pack ``key`` with its tensor, all verified (``fetch_blob``'s rules)."""
+    """Every entry of the pack ``key`` with its tensor, all verified (``fetch_blob``'s rules);
+    ``raw_size``: the bytes of tensors its layer index records (see ``pack.decode``)."""
     data = objects.get(pack_name(key))
     with cpu:
-        return pack.decode(data, key)
+        return pack.decode(data, key, raw_size)
 
 
 def fetch_pack_index(objects: ObjectStore, ref: PackRef) -> dict[tuple[str, str, int], pack.Entry]:
@@ -72,10 +76,11 @@ def fetch_pack_head(
     follow it within them), so that those entries need no read of their own."""
     name = pack_name(ref.key)
     head = objects.get_range(name, 0, min(ref.size, _HEAD_GUESS))
-    needed = pack.PREAMBLE.size + pack.index_length(head)
+    # The recorded size bounds the index before its second read (a preamble can claim 64 MiB).
+    needed = pack.PREAMBLE.size + pack.index_length(head, ref.size)
     if needed > len(head):
         head = objects.get_range(name, 0, needed)
-    entries = {(e.name, e.kind, e.start): e for e in pack.parse_index(head, ref.key)}
+    entries = {(e.name, e.kind, e.start): e for e in pack.parse_index(head, ref.key, ref.size)}
     return entries, head
 
 
@@ -215,7 +220,8 @@ class StepReader:
     def _packed_fragments(
         self, name: str, kind: str, lo: int = 0, hi: int | None = None
     ) -> list[tuple[int, torch.Tensor]]:
-        _, fragments, index = self._packed[(name, kind)]
+        dtype, fragments, index = self._packed[(name, kind)]
+        itemsize = codec.DTYPES[dtype].itemsize
         if hi is not None:  # only those overlapping [lo, hi)
             fragments = fragments[
                 (fragments[:, START] < hi) & (fragments[:, START] + fragments[:, NUMEL] > lo)
@@ -226,13 +232,14 @@ class StepReader:
             head = self._indexes.get(ref.key)
             with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
                 entry, in_head = _entry(head, name, kind, int(row[START]))
+                raw_size = int(row[NUMEL]) * itemsize  # what the layer index allows the entry
                 if in_head is not None:
                     with self._cpu:
-                        tensor = pack.decode_entry(in_head, entry)
+                        tensor = pack.decode_entry(in_head, entry, raw_size)
                 else:
                     tensor = self._read(
                         partial(self._objects.get_range, pack_name(ref.key), entry.offset, entry.length),
-                        partial(pack.decode_entry, entry=entry),
+                        partial(pack.decode_entry, entry=entry, raw_size=raw_size),
                     )
                 if tensor.numel() != row[NUMEL]:
                     raise CorruptError(f"its {name} {kind} has {tensor.numel()} elements, not {row[NUMEL]}")
@@ -241,8 +248,9 @@ class StepReader:
 
     def _fetch(self, key: str) -> torch.Tensor:
         row = self._where[key]
+        size = self._sizes.get(key)
         with self._naming(f"blob {key} ({row.layer}: {row.name} {row.kind}, saved at step {row.step})"):
-            return fetch_blob(self._objects, key, self._cpu)
+            return fetch_blob(self._objects, key, self._cpu, None if size is None else size.raw_size)
 
     def dtype(self, name: str, kind: str) -> torch.dtype | None:
         """The dtype of the stored ``kind`` of ``name`` without reading it, or None if none is stored.
@@ -350,15 +358,17 @@ class StepReader:
                 return whole.reshape(shape)
         shape = self.params[name]["shape"] if name in self.params else [sum(f.numel() for _, f in fragments)]
         numel = math.prod(shape)
-        full = torch.empty(numel, dtype=fragments[0][1].dtype)
+        # Checked before allocating: the shape is the description's, and must be what is stored.
         covered = 0
         for start, fragment in fragments:
             if start != covered:
                 raise CorruptError(
                     f"fragments of {name} {kind} do not tile the tensor (gap or overlap at {covered})"
                 )
-            full[start : start + fragment.numel()] = fragment.reshape(-1)
             covered += fragment.numel()
         if covered != numel:
             raise CorruptError(f"fragments of {name} {kind} cover {covered} of {numel} elements")
+        full = torch.empty(numel, dtype=fragments[0][1].dtype)
+        for start, fragment in fragments:
+            full[start : start + fragment.numel()] = fragment.reshape(-1)
         return full.reshape(shape)
