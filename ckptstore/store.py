@@ -75,8 +75,14 @@ class Store:
         return self.catalog.sources(_step(step))
 
     def log(self) -> list[StepRow]:
-        """Summary of every committed step (time, layers saved, bytes added), oldest first."""
+        """Summary of every committed step (time, layers saved, bytes added), oldest first.
+        A step whose manifest cannot be read is left out and named in ``unreadable_steps``."""
         return self.catalog.log()
+
+    def unreadable_steps(self) -> dict[int, str]:
+        """Steps whose manifest exists but could not be read so far (step -> why): committed
+        and damaged, not absent. ``log`` lists the others; reading one raises CorruptError."""
+        return dict(self.catalog.unreadable)
 
     def show(self, step: int) -> list[LayerRow]:
         """Every layer of ``step``: the step it comes from, its stored bytes, and its update

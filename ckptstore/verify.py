@@ -130,7 +130,7 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     )
     blobs = layout.list_blobs(objects)
     packs = layout.list_packs(objects)
-    pack_users = catalog.referenced_packs()
+    pack_users = catalog.referenced_packs(report.catalog_problems)
     stored = {key: info.size for key, info in blobs.found.items()}
     stored.update((key, info.size) for key, info in packs.found.items())
     sizes.update((key, ref.size) for key, (ref, _) in pack_users.items())

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..errors import ConflictError, NotFoundError
+from ..errors import ConflictError, CorruptError, NotFoundError
 from ..format import layerpacks
 from ..layers import layer_of
 from ..model import (
@@ -41,6 +41,9 @@ class Catalog(LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         self.path = Path(path)
         # Imports listed steps that are not recorded yet (catalog.sync); None: nothing is listed.
         self.loader: Callable[[list[int]], None] | None = None
+        # Steps whose manifest is listed but could not be read, met by this process -> why:
+        # such a step is committed and damaged, not absent (``_require``, ``log``).
+        self.unreadable: dict[int, str] = {}
         self.db = database.connect(self.path)
 
     def write_transaction(self) -> contextlib.AbstractContextManager:
@@ -116,6 +119,8 @@ class Catalog(LayerPackQueries, MetricQueries, WeightsOnlyQueries):
     def _require(self, step: int) -> None:
         self.load([step])
         if not self.is_recorded(step):
+            if step in self.unreadable:
+                raise CorruptError(f"step {step} cannot be read: manifest {self.unreadable[step]}")
             known = self.steps()
             hint = f"; committed steps: {_summary(known)}" if known else "; the store has no steps yet"
             raise NotFoundError(f"step {step} does not exist{hint}")

@@ -52,6 +52,7 @@ class SyncReport:
     imported: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)  # manifests that could not be read
+    unreadable: dict[int, str] = field(default_factory=dict)  # their steps -> why
     incomplete: list[int] = field(default_factory=list)  # rebuild only: steps missing blobs
     # rebuild only: steps the previous catalog held that the manifests do not give back
     lost: list[int] = field(default_factory=list)
@@ -102,6 +103,7 @@ def _fetch_all(
             return None  # deleted since it was listed (a gc elsewhere)
         except CorruptError as exc:
             report.corrupt.append(f"{layout.manifest_name(step, steps[step])}: {exc}")
+            report.unreadable[step] = report.corrupt[-1]
             return None
 
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
@@ -160,6 +162,7 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
             report.imported.append(record.step)
     for problem in report.corrupt:
         log.warning("ckptstore: skipped corrupt manifest %s", problem)
+    catalog.unreadable.update(report.unreadable)
     recorded = set(catalog.recorded_steps())
     report.dropped = [step for step in steps if step not in recorded]
     if report.dropped:

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import click
 
+from ..errors import CorruptError
 from .base import cli, human, open_store, store_option
 
 
@@ -55,19 +56,29 @@ def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) ->
 @click.pass_context
 def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
     """List committed steps: when, how many layers each saved, bytes it added, whether it
-    resumes ("weights": gc kept its weights only), metrics.
+    resumes ("weights": gc kept its weights only), metrics. A step whose manifest cannot be
+    read is named after the others (exit 4: run `ckptstore verify`).
 
     Example: ckptstore --store runs/store log
     """
     with open_store(ctx) as store:
         rows = store.log()
+        unreadable = store.unreadable_steps()
     if as_json:
         for row in rows:
             click.echo(json.dumps(asdict(row)))
-        return
-    if not rows:
+    elif rows:
+        _print_log(rows)
+    elif not unreadable:
         click.echo("no steps committed yet")
-        return
+    if unreadable:  # listed above are the others; a damaged step is not a missing one
+        step, why = min(unreadable.items())
+        more = f" (and {len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+        raise CorruptError(f"step {step} is committed but cannot be read{more}: manifest {why}")
+
+
+def _print_log(rows: list) -> None:
+    """The log as a table, one line per step."""
     with_metrics = any(row.metrics for row in rows)
     click.echo(
         f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'objects added':>13}  {'bytes added':>11}"

@@ -54,7 +54,7 @@ def ensure_config(objects: ObjectStore, *, create: bool = True) -> dict:
         return config
     try:
         config = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CorruptError(f"{objects.uri}/{CONFIG} is not valid JSON") from None
     if not isinstance(config, dict):
         raise CorruptError(f"{objects.uri}/{CONFIG} is not a JSON object")

@@ -113,7 +113,7 @@ def decode(
         tensor, pack, gap, numel = (ints[3 * n + i * m : 3 * n + (i + 1) * m] for i in range(4))
     except CorruptError as exc:
         raise CorruptError(f"{what} is malformed ({clip(str(exc))})") from None
-    except (zstandard.ZstdError, ValueError, KeyError, TypeError, struct.error) as exc:
+    except (zstandard.ZstdError, ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:
         raise CorruptError(f"{what} is malformed ({clip(repr(exc))})") from None
     tensor, pack = np.cumsum(tensor), np.cumsum(pack)
     start = _starts(tensor, gap, numel)

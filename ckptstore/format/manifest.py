@@ -27,6 +27,16 @@ from .config import check_version
 
 MANIFEST_VERSION = 2
 MAGIC = b"CKPM"
+# What parsing a damaged manifest raises besides CorruptError (a nesting past the stack too).
+_MALFORMED = (
+    ValueError,
+    KeyError,
+    TypeError,
+    UnicodeDecodeError,
+    RecursionError,
+    struct.error,
+    zstandard.ZstdError,
+)
 _LENGTH = struct.Struct("<I")
 
 
@@ -95,7 +105,7 @@ def decode(data: bytes) -> StepRecord:
         return _record(body, indexes)
     except CorruptError:
         raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error, zstandard.ZstdError) as exc:
+    except _MALFORMED as exc:
         raise CorruptError(f"malformed manifest: {clip(repr(exc))}") from None
 
 

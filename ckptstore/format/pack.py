@@ -139,7 +139,7 @@ def parse_index(head: bytes | memoryview, key: str | None = None, size: int | No
             Entry(str(name), str(kind), int(start), str(tensor), int(offset), int(size))
             for name, kind, start, tensor, offset, size in json.loads(index)
         ]
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptError(f"malformed pack index: {clip(repr(exc))}") from None
     if key is not None and pack_key([(e.name, e.kind, e.start, e.key) for e in entries]) != key:
         raise CorruptError(f"pack index does not hash to {key}")

@@ -145,5 +145,5 @@ def loads(text: str) -> Any:
     """Inverse of ``dumps``; raises CorruptError on malformed text."""
     try:
         return from_plain(json.loads(text))
-    except json.JSONDecodeError as exc:
-        raise CorruptError(f"stored state is not valid JSON: {exc}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:  # a nesting deeper than Python's stack
+        raise CorruptError(f"stored state is not valid JSON: {clip(str(exc))}") from None
