@@ -19,10 +19,12 @@ from . import auxfiles, strategies
 from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
 from .commit.step import CommitReport, commit_step, submit_commit
+from .dcp import is_dcp_step
+from .dcp.weights import state_dict as dcp_state_dict
 from .errors import BadInputError, require_int
 from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
 from .export.folder import export as export_folder
-from .export.weights import state_dict
+from .export.weights import parse_dtype, state_dict
 from .gc import GcReport, KeepBest, collect, grace_seconds
 from .materialize import compose
 from .materialize.directory import materialize
@@ -236,8 +238,12 @@ class Store:
         What DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` returns for the same
         state, without a checkpoint directory: fp32 masters of trainable parameters, frozen
         weights and persistent buffers, and tied names sharing one tensor. Floating tensors
-        are cast to ``dtype`` (None keeps them as stored). Raises as ``export``.
+        are cast to ``dtype`` (None keeps them as stored). Of a step saved through DCP
+        (``integrations.dcp.StoreWriter``): the full tensors of the state dict's ``model``
+        entry under its own keys (of a flat state dict, its parameters). Raises as ``export``.
         """
+        if spec is None and is_dcp_step(self.catalog.description(_step(step))):
+            return dcp_state_dict(self.objects, self.catalog, step, parse_dtype(dtype))
         return state_dict(self.objects, self.catalog, step, dtype, spec)
 
     def restore(

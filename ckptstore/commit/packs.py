@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -44,12 +45,18 @@ class StoredPacks:
 
 
 def store_pieces(
-    objects: ObjectStore, rank: int, pieces: list[Piece], *, background: bool = False
+    objects: ObjectStore,
+    rank: int,
+    pieces: list[Piece],
+    *,
+    background: bool = False,
+    layer: Callable[[Piece], str] | None = None,
 ) -> StoredPacks:
     """Store every piece that is not ``redundant`` in packs of its layer; durable when it returns.
 
-    ``background`` (a non-blocking commit) runs the work at a lower CPU priority. Raises what
-    the object store raises (nothing is recorded anyway).
+    ``background`` (a non-blocking commit) runs the work at a lower CPU priority. ``layer``:
+    a piece's layer, when the layer rule on its name (``layers.layer_of``) is not it. Raises
+    what the object store raises (nothing is recorded anyway).
     """
     slots = max(1, knobs.cpu_threads() // knobs.ranks_on_this_machine())
     cpu = threading.BoundedSemaphore(slots)
@@ -85,7 +92,7 @@ def store_pieces(
         knobs.io_threads(), initializer=lower_thread_priority if background else None
     ) as pool:
         keyed = [(p, k) for p, k in zip(pieces, pool.map(content_key, pieces), strict=True) if k is not None]
-        groups = _pack_groups(keyed, knobs.pack_bytes())
+        groups = _pack_groups(keyed, knobs.pack_bytes(), layer or (lambda piece: layer_of(piece.name)))
         # Largest first, so that no big pack starts last while the other threads sit idle.
         order = sorted(range(len(groups)), key=lambda i: -sum(p.nbytes for p, _ in groups[i][1]))
         tasks = {i: pool.submit(store, groups[i][1]) for i in order}
@@ -98,12 +105,14 @@ def store_pieces(
     return stored
 
 
-def _pack_groups(keyed: list[tuple[Piece, str]], limit: int) -> list[tuple[str, list[tuple[Piece, str]]]]:
+def _pack_groups(
+    keyed: list[tuple[Piece, str]], limit: int, layer: Callable[[Piece], str]
+) -> list[tuple[str, list[tuple[Piece, str]]]]:
     """``(layer, members)`` of every pack: each layer's pieces in name, start and kind order, cut
     where the next piece would take a pack past ``limit`` tensor bytes."""
     by_layer: dict[str, list[tuple[Piece, str]]] = defaultdict(list)
     for piece, key in keyed:
-        by_layer[layer_of(piece.name)].append((piece, key))
+        by_layer[layer(piece)].append((piece, key))
     groups = []
     for layer, members in by_layer.items():
         members.sort(key=lambda m: (m[0].name, m[0].start, m[0].kind))

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from ..catalog import Catalog
+from ..dcp import is_dcp_step
 from ..errors import BadInputError, NotFoundError, require_int
 from ..layers import block_index, is_block
 
@@ -48,13 +49,26 @@ def step_or_spec(
 ) -> tuple[int, dict[str, int] | None]:
     """What a reader was asked for: ``(step, None)``, or a spec's ``(state step, layer sources)``.
 
-    BadInputError if both or neither are given, or the step is not an integer >= 0."""
+    BadInputError if both or neither are given, the step is not an integer >= 0, or it was
+    saved through DCP (this reader is DeepSpeed's; NotFoundError if it does not exist)."""
     if spec is None:
-        return require_int(step, "a step", minimum=0), None
+        step = require_int(step, "a step", minimum=0)
+        refuse_dcp_step(catalog, step, verb)
+        return step, None
     if step is not None:
         raise BadInputError(f"{verb} takes a step or a compose spec, not both")
     plan_ = plan(spec, catalog)
+    refuse_dcp_step(catalog, plan_.state, verb)
     return plan_.state, plan_.sources
+
+
+def refuse_dcp_step(catalog: Catalog, step: int, verb: str) -> None:
+    """BadInputError if ``step`` was saved through DCP, saying what reads it instead."""
+    if is_dcp_step(catalog.description(step)):
+        raise BadInputError(
+            f"step {step} was saved through PyTorch DCP (StoreWriter), not from a DeepSpeed engine, so "
+            f"{verb} cannot read it: load it with dcp.load(state, storage_reader=StoreReader(store, step={step}))"
+        )
 
 
 def load(spec: Spec) -> Mapping[str, Any]:

@@ -84,7 +84,7 @@ def fetch_pack_head(
     return entries, head
 
 
-def _entry(
+def entry_in_head(
     head: tuple[dict[tuple[str, str, int], pack.Entry], bytes], name: str, kind: str, start: int
 ) -> tuple[pack.Entry, memoryview | None]:
     """The entry for the fragment of ``kind`` of ``name`` from ``start`` in a pack's index
@@ -231,7 +231,7 @@ class StepReader:
             ref = index.packs[row[PACK]]
             head = self._indexes.get(ref.key)
             with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
-                entry, in_head = _entry(head, name, kind, int(row[START]))
+                entry, in_head = entry_in_head(head, name, kind, int(row[START]))
                 raw_size = int(row[NUMEL]) * itemsize  # what the layer index allows the entry
                 if in_head is not None:
                     with self._cpu:
@@ -298,7 +298,7 @@ class StepReader:
         ref = index.packs[match[0][PACK]]
         head = self._indexes.get(ref.key)
         with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
-            entry, data = _entry(head, name, kind, start)
+            entry, data = entry_in_head(head, name, kind, start)
             if data is None:
                 data = self._objects.get_range(pack_name(ref.key), entry.offset, entry.length)
             with self._cpu:
