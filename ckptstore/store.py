@@ -20,13 +20,14 @@ from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
 from .commit.step import CommitReport, commit_step, submit_commit
 from .dcp import is_dcp_step
+from .dcp.directory import write_directory as write_dcp_directory
 from .dcp.weights import state_dict as dcp_state_dict
 from .errors import BadInputError, require_int
 from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
 from .export.folder import export as export_folder
 from .export.weights import parse_dtype, state_dict
 from .gc import GcReport, KeepBest, collect, grace_seconds
-from .materialize import compose
+from .materialize import compose, outputs
 from .materialize.directory import materialize
 from .model import FileRow, LayerRow, StepRow
 from .objects import ObjectStore
@@ -184,10 +185,27 @@ class Store:
         or lies in the store, or holds the working directory: nothing is written),
         CorruptError (a blob fails verification, or an auxiliary file row names a path
         ``auxfiles.refusal`` refuses: nothing is written), ConflictError (non-empty ``out``).
+
+        A step saved through DCP (``integrations.dcp.StoreWriter``) becomes a standard DCP
+        checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
+        which loads at any world size: ``world_size`` and ``tag`` do not apply to it.
         """
+        if spec is None and is_dcp_step(self.catalog.description(_step(step))):
+            return self._materialize_dcp(_step(step), out, force=force, world_size=world_size, tag=tag)
         return materialize(
             self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
         )
+
+    def _materialize_dcp(self, step: int, out: Any, *, force: bool, world_size: Any, tag: Any) -> Path:
+        """``materialize`` of a step saved through DCP: a DCP checkpoint directory."""
+        if world_size is not None or tag is not None:
+            raise BadInputError(
+                f"step {step} was saved through DCP: its directory loads at any world size (DCP reshards) "
+                "and has no tag; leave out world_size and tag"
+            )
+        store_root = getattr(self.objects, "root", None)
+        path = outputs.check_out(out, force=force, store_root=store_root, verb="materialize")
+        return write_dcp_directory(self.objects, self.catalog, step, path)
 
     def export(
         self,

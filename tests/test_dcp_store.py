@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptstore
 from ckptstore.dcp.chunks import chunk_start
@@ -181,10 +182,27 @@ def test_a_flipped_byte_in_a_pack_fails_the_load_naming_it_corrupt(store):
     assert not store.verify().ok
 
 
+def test_materialize_writes_a_dcp_directory_that_dcps_own_reader_and_tools_read(store, tmp_path):
+    saved = training_state()
+    dcp.save(saved, storage_writer=StoreWriter(store, step=7))
+    out = store.materialize(7, tmp_path / "dcp-7")
+    loaded = emptied(saved)
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(out))
+    assert_equal_states(loaded, saved)
+    dcp_to_torch_save(out, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)  # our own file, written just now
+    assert torch.equal(full["model"]["lm_head.weight"], saved["model"]["lm_head.weight"])
+    assert full["train"] == saved["train"]
+    with pytest.raises(BadInputError, match="loads at any world size"):
+        store.materialize(7, tmp_path / "again", world_size=2)
+
+
 def test_deepspeed_verbs_refuse_a_dcp_step_and_say_what_reads_it(store, tmp_path):
     dcp.save(training_state(), storage_writer=StoreWriter(store, step=7))
     with pytest.raises(BadInputError, match=r"saved through PyTorch DCP .*StoreReader\(store, step=7\)"):
-        store.materialize(7, tmp_path / "out")
+        store.materialize(spec={"state": 7, "slices": [{"layer_range": [0, 4], "step": 7}]}, out=tmp_path / "out")
+    with pytest.raises(BadInputError, match=r"saved through PyTorch DCP"):
+        store.export(7, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

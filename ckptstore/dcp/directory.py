@@ -1,0 +1,76 @@
+"""A DCP step as a standard DCP checkpoint directory, written by DCP's own ``FileSystemWriter``.
+
+The stored chunks are handed to the writer as one save plan, each chunk as it was saved, so
+the directory holds the same boxes DCP planned (``FileSystemReader``, ``dcp.load`` at any
+world size and ``format_utils.dcp_to_torch_save`` read it). Bytes items are passed on as the
+bytes the user's job gave DCP: nothing is unpickled here. The directory is built beside
+``out`` and renamed into place, with the marker that lets ``--force`` replace it later.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from ..catalog import Catalog
+from ..materialize import outputs
+from ..objects import ObjectStore
+from . import chunks
+from . import metadata as plain_metadata
+
+
+class _StoredChunks:
+    """What ``FileSystemWriter.write_data`` asks a planner for: each item's data, fetched from
+    the store (and verified) only when the writer gets to it."""
+
+    def __init__(
+        self, fetcher: chunks.ChunkFetcher, where: dict[MetadataIndex, chunks.ChunkLocation]
+    ) -> None:
+        self.fetcher, self.where = fetcher, where
+
+    def resolve_data(self, item: WriteItem) -> torch.Tensor | io.BytesIO:
+        tensor = self.fetcher.fetch(self.where[item.index])
+        if item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(tensor.numpy().tobytes())
+        return tensor
+
+
+def write_directory(objects: ObjectStore, catalog: Catalog, step: int, out: Path) -> Path:
+    """Write DCP step ``step`` as a DCP checkpoint directory at ``out`` (checked by the caller
+    with ``outputs.check_out``). Raises CorruptError for a chunk that does not verify."""
+    description = json.loads(catalog.description(step))
+    metadata = plain_metadata.from_plain(description["dcp"])
+    found = chunks.locations(description, catalog.sources(step), step)
+    items, where = [], {}
+    for (fqn, offsets), location in found.items():
+        entry = metadata.state_dict_metadata[fqn]
+        if offsets is None:
+            index = MetadataIndex(fqn)
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+        else:
+            index = MetadataIndex(fqn, torch.Size(offsets))
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(location.sizes))
+            data = TensorWriteData(chunk=chunk, properties=entry.properties, size=entry.size)
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
+        where[index] = location
+    fetcher = chunks.ChunkFetcher(objects, catalog, step, where.values())
+    staging = outputs.staging_dir(out)
+    try:
+        writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True)
+        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+        plan = writer.prepare_local_plan(SavePlan(items))
+        (plan,) = writer.prepare_global_plan([plan])
+        results = writer.write_data(plan, _StoredChunks(fetcher, where)).wait()
+        writer.finish(metadata, [results])
+        outputs.mark(staging, "materialize", step)
+        outputs.swap_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
