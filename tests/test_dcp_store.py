@@ -200,7 +200,9 @@ def test_materialize_writes_a_dcp_directory_that_dcps_own_reader_and_tools_read(
 def test_deepspeed_verbs_refuse_a_dcp_step_and_say_what_reads_it(store, tmp_path):
     dcp.save(training_state(), storage_writer=StoreWriter(store, step=7))
     with pytest.raises(BadInputError, match=r"saved through PyTorch DCP .*StoreReader\(store, step=7\)"):
-        store.materialize(spec={"state": 7, "slices": [{"layer_range": [0, 4], "step": 7}]}, out=tmp_path / "out")
+        store.materialize(
+            spec={"state": 7, "slices": [{"layer_range": [0, 4], "step": 7}]}, out=tmp_path / "out"
+        )
     with pytest.raises(BadInputError, match=r"saved through PyTorch DCP"):
         store.export(7, tmp_path / "out")
     assert not (tmp_path / "out").exists()
