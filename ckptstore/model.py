@@ -76,6 +76,16 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class Weight:
+    """One state-dict entry: its name, the stored kind it is read from, and its shape
+    (None for a buffer, whose shape is known once read)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
 class TensorRow:
     """One stored tensor (or fragment) of a layer saved at ``step``."""
 

@@ -228,7 +228,9 @@ class Store:
         once. ``spec`` (a compose spec) instead of a step takes each layer from its step.
         Memory stays a few tensors; ``out`` appears only once complete, and an existing
         non-empty ``out`` is refused unless ``force`` (which replaces only a folder materialize
-        or export wrote, as for ``materialize``). Raises NotFoundError (unknown step, missing
+        or export wrote, as for ``materialize``). Of a step saved through DCP, the weights are
+        the full tensors of the state dict's ``model`` entry (``state_dict``), cast to ``dtype``
+        (default: the dtype most were saved in). Raises NotFoundError (unknown step, missing
         pack), BadInputError (bad dtype, size, spec or ``out``), CorruptError, ConflictError.
         """
         if out is None:

@@ -203,8 +203,6 @@ def test_deepspeed_verbs_refuse_a_dcp_step_and_say_what_reads_it(store, tmp_path
         store.materialize(
             spec={"state": 7, "slices": [{"layer_range": [0, 4], "step": 7}]}, out=tmp_path / "out"
         )
-    with pytest.raises(BadInputError, match=r"saved through PyTorch DCP"):
-        store.export(7, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -245,3 +243,29 @@ def test_state_dict_gives_the_models_full_tensors_under_its_own_names(store):
     for name, tensor in saved["model"].items():
         assert torch.equal(weights[name], tensor), name
     assert store.state_dict(3, dtype="bf16")["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_export_writes_the_models_weights_as_safetensors(store, tmp_path):
+    from safetensors.torch import load_file
+
+    saved = training_state()
+    dcp.save(saved, storage_writer=StoreWriter(store, step=3))
+    report = store.export(3, tmp_path / "hf", dtype="bf16")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert report.tensors == len(saved["model"]) == len(weights)
+    for name, tensor in saved["model"].items():
+        assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+
+
+def test_dcp_and_deepspeed_steps_never_inherit_from_each_other(store, zero1_engine):
+    store.commit(zero1_engine, step=1)
+    with pytest.raises(CheckpointException, match="step 1 was committed from a DeepSpeed engine"):
+        dcp.save(training_state(), storage_writer=StoreWriter(store, step=2, layers=["model.layers.0"]))
+    with pytest.raises(CheckpointException, match="not through DCP: resume it with store.restore"):
+        dcp.load(training_state(), storage_reader=StoreReader(store, step=1))
+    dcp.save(training_state(), storage_writer=StoreWriter(store, step=2))  # every layer: fine
+    with pytest.raises(BadInputError, match="step 2 was saved through PyTorch DCP; a DeepSpeed step cannot"):
+        store.commit(zero1_engine, step=3, layers=["model.layers.0"])
+    with pytest.raises(BadInputError, match="saved through PyTorch DCP"):
+        store.restore(zero1_engine, 2)
+    assert store.steps() == [1, 2]

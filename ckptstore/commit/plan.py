@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .. import strategies
 from ..catalog import Catalog
+from ..dcp import is_dcp_step
 from ..errors import BadInputError, ConflictError
 from ..layers import ordered_layers
 from ..model import Updates
@@ -114,6 +115,11 @@ def _inheritance_refusal(
             "inherited from it; commit every layer (layers=None)"
         )
     before = json.loads(catalog.description(previous))
+    if is_dcp_step(before):
+        return (
+            f"step {previous} was saved through PyTorch DCP; a DeepSpeed step cannot inherit its layers: "
+            "commit every layer (layers=None)"
+        )
     same_params = before["params"] == description["params"]
     if not (same_layers and same_params and before["world_size"] == description["world_size"]):
         return (

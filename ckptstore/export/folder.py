@@ -24,13 +24,15 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from .. import auxfiles, knobs
 from ..catalog import Catalog
-from ..errors import BadInputError
+from ..dcp import is_dcp_step
+from ..dcp.weights import DcpStepWeights
+from ..errors import BadInputError, require_int
 from ..materialize import compose, outputs
-from ..model import BUFFER
+from ..model import BUFFER, Weight
 from ..objects import ObjectStore
 from ..progress import progress_bar
 from .safetensors_file import SafetensorsFile, tensor_bytes
-from .weights import StepWeights, Weight, parse_dtype
+from .weights import StepWeights, parse_dtype
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -76,7 +78,10 @@ def export(
 
     Contract as ``Store.export``; nothing appears at ``out`` unless everything was written.
     """
-    weights = StepWeights(objects, catalog, step, spec)
+    if spec is None and is_dcp_step(catalog.description(require_int(step, "a step", minimum=0))):
+        weights = DcpStepWeights(objects, catalog, step)
+    else:
+        weights = StepWeights(objects, catalog, step, spec)
     dtype = parse_dtype(dtype) or weights.training_dtype
     out = outputs.check_out(out, force=force, store_root=getattr(objects, "root", None), verb="export")
     files = catalog.files(weights.step)
@@ -123,7 +128,9 @@ def export(
     )  # fmt: skip
 
 
-def _write_shard(shard, entries: list[Weight], weights: StepWeights, dtype, buffers: dict, bar) -> None:
+def _write_shard(
+    shard, entries: list[Weight], weights: StepWeights | DcpStepWeights, dtype, buffers: dict, bar
+) -> None:
     def write(weight: Weight) -> None:
         tensor = buffers[weight.name] if weight.kind == BUFFER else weights.read(weight, dtype)
         shard.write(weight.name, tensor)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +20,7 @@ from ..errors import BadInputError, CorruptError
 from ..format.codec import DTYPES
 from ..materialize import compose
 from ..materialize.directory import step_reader
-from ..model import BUFFER, FP32, WEIGHT
+from ..model import BUFFER, FP32, WEIGHT, Weight
 from ..objects import ObjectStore
 
 _DTYPE_NAMES = {
@@ -40,16 +39,6 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
     raise BadInputError(f"dtype {dtype!r} is not one of float32, bfloat16, float16")
-
-
-@dataclass(frozen=True)
-class Weight:
-    """One state-dict entry: its name, the stored kind it is read from, and its shape
-    (None for a buffer, whose shape is known once read)."""
-
-    name: str
-    kind: str
-    shape: tuple[int, ...] | None
 
 
 class StepWeights:
