@@ -269,3 +269,23 @@ def test_dcp_and_deepspeed_steps_never_inherit_from_each_other(store, zero1_engi
     with pytest.raises(BadInputError, match="saved through PyTorch DCP"):
         store.restore(zero1_engine, 2)
     assert store.steps() == [1, 2]
+
+
+def test_keep_best_and_catalog_rebuild_keep_dcp_steps_whole(store, run):
+    state = training_state()
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+        state["model"]["lm_head.weight"] += 1
+        dcp.save(state, storage_writer=StoreWriter(store, step=step, metrics={"loss": loss}))
+    root = store.objects.root
+    store.close()
+    assert (
+        run("--store", root, "gc", "--keep-last", "1", "--keep-best", "loss:min", "--grace", "0").returncode
+        == 0
+    )
+    (root / "catalog.db").unlink()
+    assert run("--store", root, "catalog", "rebuild").returncode == 0
+    with ckptstore.open(root, create=False) as reopened:
+        assert reopened.steps() == [2, 3]
+        loaded = emptied(state)
+        dcp.load(loaded, storage_reader=StoreReader(reopened, step=3))
+        assert_equal_states(loaded, state)
