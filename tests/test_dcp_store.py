@@ -289,3 +289,28 @@ def test_keep_best_and_catalog_rebuild_keep_dcp_steps_whole(store, run):
         loaded = emptied(state)
         dcp.load(loaded, storage_reader=StoreReader(reopened, step=3))
         assert_equal_states(loaded, state)
+
+
+def test_a_load_from_s3_reads_each_pack_in_at_most_two_requests(s3, tmp_path, monkeypatch):
+    # Big enough that a layer's entries do not fit in the first read of its pack (64 KiB).
+    state = {
+        "model": {f"model.layers.{i}.w": torch.randn(256, 256) for i in range(3)},
+        "optim": {"state": {f"model.layers.{i}.w": {"exp_avg": torch.randn(256, 256)} for i in range(3)}},
+    }
+    with ckptstore.open(s3.uri()) as writer:
+        dcp.save(state, storage_writer=StoreWriter(writer, step=1))
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "another-node"))
+    with ckptstore.open(s3.uri(), create=False) as reader:
+        gets = []
+        reader.objects.client.meta.events.register(
+            "before-send.s3.GetObject", lambda request, **kwargs: gets.append(request.url)
+        )
+        loaded = copy.deepcopy(state)
+        for tensor in (*loaded["model"].values(), *(s["exp_avg"] for s in loaded["optim"]["state"].values())):
+            tensor.zero_()
+        dcp.load(loaded, storage_reader=StoreReader(reader, step=1))
+        packs = {ref.key for index in reader.catalog.layer_packs(1) for ref in index.packs}
+    assert_equal_states(loaded, state)
+    assert len(packs) == 3
+    pack_gets = [url for url in gets if "/packs/" in url]
+    assert len(pack_gets) <= 2 * len(packs), pack_gets

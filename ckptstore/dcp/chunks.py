@@ -104,31 +104,85 @@ class ChunkFetcher:
         found = self.entries.get((where.name, where.kind, where.start))
         return 0 if found is None else found[1]
 
-    def fetch(self, where: ChunkLocation) -> torch.Tensor:
-        """The chunk at ``where``, decoded and verified: flat for a tensor's chunk (reshape it
-        to ``where.sizes``), uint8 for a bytes item. CorruptError naming step, layer and pack."""
+    def pack_of(self, where: ChunkLocation) -> PackRef:
+        """The pack holding the chunk at ``where``; CorruptError if none does."""
         found = self.entries.get((where.name, where.kind, where.start))
         if found is None:
             raise CorruptError(
                 f"step {self.step} layer {where.layer}: no pack holds {where.name} {where.kind} "
                 f"from element {where.start}"
             )
-        ref, numel, dtype = found
+        return found[0]
+
+    def fetch(self, where: ChunkLocation) -> torch.Tensor:
+        """The chunk at ``where``, decoded and verified (see ``fetch_pack``)."""
+        return self.fetch_pack(self.pack_of(where), [where])[0][1]
+
+    def fetch_pack(
+        self, ref: PackRef, wanted: list[ChunkLocation]
+    ) -> list[tuple[ChunkLocation, torch.Tensor]]:
+        """The chunks ``wanted`` of pack ``ref``, decoded and verified: flat for a bytes item,
+        in their box otherwise. Neighbouring entries come in one ranged read (``_spans``), so a
+        reader of a whole pack makes two requests (its head, its body). CorruptError naming
+        step, layer and pack."""
+        source, layer = wanted[0].source, wanted[0].layer
         try:
-            entry, data = entry_in_head(self._head(ref), where.name, where.kind, where.start)
-            if data is None:
-                data = self.objects.get_range(pack_name(ref.key), entry.offset, entry.length)
-            tensor = pack.decode_entry(data, entry, numel * codec.DTYPES[dtype].itemsize)
+            head = self._head(ref)
+            located = []
+            for where in wanted:
+                entry, data = entry_in_head(head, where.name, where.kind, where.start)
+                located.append((where, entry, data))
+            fetched: dict[int, memoryview] = {}
+            missing = sorted(
+                {entry.offset: entry for _, entry, data in located if data is None}.values(),
+                key=lambda e: e.offset,
+            )
+            for start, end, members in _spans(missing):
+                body = memoryview(self.objects.get_range(pack_name(ref.key), start, end - start))
+                for entry in members:
+                    fetched[entry.offset] = body[entry.offset - start :]
+            out = []
+            for where, entry, data in located:
+                numel, dtype = self.entries[(where.name, where.kind, where.start)][1:]
+                blob = data if data is not None else fetched[entry.offset]
+                out.append(
+                    (
+                        where,
+                        self._shaped(
+                            where, pack.decode_entry(blob, entry, numel * codec.DTYPES[dtype].itemsize)
+                        ),
+                    )
+                )
+            return out
         except CorruptError as exc:
             raise CorruptError(
-                f"step {self.step} layer {where.layer}: pack {ref.key} (saved at step {where.source}) "
-                f"is corrupt: {exc}"
+                f"step {self.step} layer {layer}: pack {ref.key} (saved at step {source}) is corrupt: {exc}"
             ) from None
+
+    def _shaped(self, where: ChunkLocation, tensor: torch.Tensor) -> torch.Tensor:
         if where.sizes is None:
             return tensor.reshape(-1)
         if tensor.numel() != math.prod(where.sizes):
             raise CorruptError(
-                f"step {self.step} layer {where.layer}: the chunk of {where.name} {where.kind} holds "
-                f"{tensor.numel()} elements, its box {list(where.sizes)}"
+                f"the chunk of {where.name} {where.kind} holds {tensor.numel()} elements, its box {list(where.sizes)}"
             )
         return tensor.reshape(where.sizes)
+
+
+# Entries this close are read together (the gap is read and dropped), up to a span this long.
+_GAP = 1 << 20
+_SPAN = 64 << 20
+
+
+def _spans(entries: list) -> list[tuple[int, int, list]]:
+    """``(start, end, entries)`` byte ranges covering ``entries`` (sorted by offset): neighbours
+    within ``_GAP`` of each other share a range of at most ``_SPAN`` (or one entry's length)."""
+    spans: list[tuple[int, int, list]] = []
+    for entry in entries:
+        end = entry.offset + entry.length
+        if spans and entry.offset - spans[-1][1] <= _GAP and end - spans[-1][0] <= _SPAN:
+            start, _, members = spans[-1]
+            spans[-1] = (start, end, [*members, entry])
+        else:
+            spans.append((entry.offset, end, [entry]))
+    return spans

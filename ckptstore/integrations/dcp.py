@@ -402,10 +402,23 @@ class StoreReader(StorageReader):
                 raise CorruptError(f"step {step} has no stored chunk for {request.storage_index.fqn}")
             wanted[where].append(request)
         fetcher = chunks.ChunkFetcher(self.store.objects, self.store.catalog, step, wanted)
-        with ThreadPoolExecutor(knobs.io_threads()) as pool:
-            for where, tensor in pool.map(lambda w: (w, fetcher.fetch(w)), list(wanted)):
-                for request in wanted[where]:
-                    _deliver(planner, request, tensor)
+        by_pack: dict[str, tuple[PackRef, list[chunks.ChunkLocation]]] = {}
+        for where in wanted:
+            ref = fetcher.pack_of(where)
+            by_pack.setdefault(ref.key, (ref, []))[1].append(where)
+        # A few packs in flight on I/O threads; DCP gets each chunk on this thread, as it is
+        # fetched, so memory holds a few packs' chunks, not the rank's whole share.
+        window = knobs.io_threads()
+        jobs = list(by_pack.values())
+        with ThreadPoolExecutor(window) as pool:
+            pending = [pool.submit(fetcher.fetch_pack, ref, wheres) for ref, wheres in jobs[:window]]
+            for i in range(len(jobs)):
+                for where, tensor in pending[i].result():
+                    for request in wanted[where]:
+                        _deliver(planner, request, tensor)
+                pending[i] = None
+                if i + window < len(jobs):
+                    pending.append(pool.submit(fetcher.fetch_pack, *jobs[i + window]))
         done: Future[None] = Future()
         done.set_result(None)
         return done
