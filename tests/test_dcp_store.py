@@ -314,3 +314,12 @@ def test_a_load_from_s3_reads_each_pack_in_at_most_two_requests(s3, tmp_path, mo
     assert len(packs) == 3
     pack_gets = [url for url in gets if "/packs/" in url]
     assert len(pack_gets) <= 2 * len(packs), pack_gets
+
+
+def test_the_cli_materializes_and_lists_a_dcp_step(store, run, tmp_path):
+    dcp.save(training_state(), storage_writer=StoreWriter(store, step=9))
+    root = store.objects.root
+    done = run("--store", root, "materialize", "--step", "9", tmp_path / "out")
+    assert done.returncode == 0 and (tmp_path / "out" / ".metadata").is_file()
+    shown = run("--store", root, "show", "--step", "9")
+    assert shown.returncode == 0 and "(state)" in shown.stdout and "model.layers.3" in shown.stdout

@@ -60,6 +60,8 @@ def materialize(
 
     OUT gets ``latest``, ``global_step<STEP>/`` (or ``--tag``'s name) and the step's auxiliary
     files; resume with ``engine.load_checkpoint(OUT)``. OUT appears only once complete.
+    A step saved through PyTorch DCP (StoreWriter) becomes a standard DCP directory instead,
+    which dcp.load with FileSystemReader(OUT) reads at any world size.
 
     A spec (YAML) says which step each block range and auxiliary layer comes from, and
     which step gives the non-tensor state and files:
