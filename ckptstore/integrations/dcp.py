@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -59,6 +59,9 @@ from ..dcp.naming import STATE_LAYER, ItemName, name_items
 from ..errors import BadInputError, CorruptError, NotFoundError, require_int
 from ..format import codec, config, layerpacks
 from ..model import PackRef, Piece
+
+if TYPE_CHECKING:
+    from ..store import Store
 
 __all__ = ["StoreReader", "StoreWriter"]
 
@@ -94,7 +97,7 @@ class StoreWriter(StorageWriter):
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         step: int,
         layers: Iterable[str] | None = None,
         metrics: Mapping[str, float] | None = None,
@@ -326,7 +329,7 @@ class StoreReader(StorageReader):
     NotFoundError for a step that does not exist, BadInputError for one a DeepSpeed engine
     committed, CorruptError (through DCP) for a chunk that does not verify."""
 
-    def __init__(self, store: Any, step: int | None = None) -> None:
+    def __init__(self, store: Store, step: int | None = None) -> None:
         super().__init__()
         self.store = store
         self.step = None if step is None else require_int(step, "step", minimum=0)
