@@ -1,0 +1,57 @@
+"""Lightning's ModelParallelStrategy (FSDP2) checkpoints into the store through
+``StoreModelParallelStrategy`` and resumes from it as from its own checkpoint directory
+(2 torchrun ranks, gloo, CPU; the job is tests/lightning_jobs.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore.errors import BadInputError
+from tests.dcp_runs import job_env
+from tools.engines import free_port
+
+pytest.importorskip("lightning")
+
+JOB = Path(__file__).with_name("lightning_jobs.py")
+
+
+def lightning_job(tmp_path: Path, name: str, *args) -> dict:
+    result = tmp_path / f"{name}.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        str(JOB), *map(str, args), "--result", str(result),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=JOB.parents[1], env=job_env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    return json.loads(result.read_text())
+
+
+def test_a_lightning_job_resumes_from_the_store_as_from_its_own_checkpoint(tmp_path):
+    store = tmp_path / "store"
+    saved = lightning_job(tmp_path, "store-save", "--steps", 3, "--save", f"store:{store}")
+    own = lightning_job(tmp_path, "own-save", "--steps", 3, "--save", f"dir:{tmp_path / 'own'}")
+    assert saved["losses"] == own["losses"]
+    with ckptstore.open(store, create=False) as opened:
+        assert opened.steps() == [3]
+        assert "model.model.layers.1" in opened.sources(3)  # the LightningModule's own names
+        assert opened.verify().ok
+    from_store = lightning_job(tmp_path, "store-resume", "--steps", 6, "--resume", f"store:{store}:3")
+    from_own = lightning_job(tmp_path, "own-resume", "--steps", 6, "--resume", f"dir:{tmp_path / 'own'}")
+    assert from_store["global_step"] == from_own["global_step"] == 6
+    assert len(from_store["losses"]) == 3 and from_store["losses"] == from_own["losses"]
+
+
+def test_a_checkpoint_path_names_a_store_step():
+    from ckptstore.integrations.lightning import store_step
+
+    assert store_step("store:400") == 400 and store_step("store:latest") is None
+    with pytest.raises(BadInputError, match="store:<step> or store:latest"):
+        store_step("checkpoints/last.ckpt")
