@@ -93,7 +93,7 @@ def test_a_composite_step_loads_its_blocks_from_itself_and_the_rest_from_the_ear
     with ckptstore.open(store, create=False) as opened:
         full, same, half = (row.bytes_added for row in opened.log())
         assert opened.sources(5)["model.layers.1"] == 5 and opened.sources(5)["model.layers.0"] == 4
-    assert same < 0.02 * full  # the same state again: only the step's own counters
+    assert same == 0, same  # the same state again adds nothing
     assert half < 0.6 * full
 
 
