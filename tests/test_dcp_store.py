@@ -322,3 +322,16 @@ def test_the_cli_materializes_and_lists_a_dcp_step(store, run, tmp_path):
     assert done.returncode == 0 and (tmp_path / "out" / ".metadata").is_file()
     shown = run("--store", root, "show", "--step", "9")
     assert shown.returncode == 0 and "(state)" in shown.stdout and "model.layers.3" in shown.stdout
+
+
+def test_a_bytes_item_that_would_run_code_is_refused_before_dcp_unpickles_it(store, tmp_path):
+    from tests.test_auxfiles import RunsCode
+
+    marker = tmp_path / "ran"
+    crafted = training_state()
+    crafted["train"] = {"step": RunsCode(marker), "epoch": 1}  # what a store writer could put there
+    dcp.save(crafted, storage_writer=StoreWriter(store, step=1))
+    assert not marker.exists()
+    with pytest.raises(CheckpointException, match="train.step is not a weights-only pickle"):
+        dcp.load(emptied(training_state()), storage_reader=StoreReader(store, step=1))
+    assert not marker.exists()

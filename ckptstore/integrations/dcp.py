@@ -56,7 +56,7 @@ from ..commit.record import build_record, check_metrics, publish
 from ..dcp import DCP_FORMAT, chunks, is_dcp_step
 from ..dcp import metadata as plain_metadata
 from ..dcp.naming import STATE_LAYER, ItemName, name_items
-from ..errors import BadInputError, CorruptError, NotFoundError, require_int
+from ..errors import BadInputError, CorruptError, NotFoundError, clip, require_int
 from ..format import codec, config, layerpacks
 from ..model import PackRef, Piece
 
@@ -427,10 +427,28 @@ class StoreReader(StorageReader):
         return done
 
 
+def _check_weights_only(raw: bytes, fqn: str) -> None:
+    """CorruptError unless the bytes item ``fqn`` loads with ``torch.load(weights_only=True)``.
+
+    DCP deserializes a bytes item with ``weights_only=False``: whoever can write the store
+    could otherwise run code on every rank that loads. What DCP saves of a state dict (param
+    groups, counters, plain values) loads weights-only, so only a crafted item is refused.
+    """
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the restricted loader is a refusal here
+        raise CorruptError(
+            f"the stored bytes item {fqn} is not a weights-only pickle (it could run code when DCP loads it): "
+            f"{clip(str(exc), 120)}"
+        ) from None
+
+
 def _deliver(planner: LoadPlanner, request: Any, tensor: torch.Tensor) -> None:
     """Hand one read request its part of a fetched chunk."""
     if request.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(request, io.BytesIO(tensor.numpy().tobytes()))
+        raw = tensor.numpy().tobytes()
+        _check_weights_only(raw, request.storage_index.fqn)
+        planner.load_bytes(request, io.BytesIO(raw))
         return
     part = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
     target = planner.resolve_tensor(request).detach()
