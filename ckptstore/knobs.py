@@ -133,3 +133,13 @@ def manifest_max_expansion() -> int:
 def manifest_min_bound() -> int:
     """Bytes any manifest may decompress to, however small it is stored."""
     return _int("MANIFEST_MIN_BOUND", 4 * 1024 * 1024)
+
+
+def local_tier() -> str:
+    """The local tier's directory for stores opened without ``local=`` ("" or unset: none)."""
+    return os.environ.get("CKPTSTORE_LOCAL", "")
+
+
+def local_keep() -> int:
+    """Steps whose objects a local tier keeps once they are uploaded (``local_keep=``)."""
+    return _int("LOCAL_KEEP", 2)

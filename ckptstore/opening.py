@@ -1,22 +1,35 @@
 """Opening a store from a URI: the object store it names, its format check, and its catalog.
 
 The catalog indexes the store's manifests (``catalog.sync``): a local store keeps it in
-``catalog.db`` beside the objects, an S3 store on each machine under ``CKPTSTORE_CACHE``.
+``catalog.db`` beside the objects, an S3 store on each machine under ``CKPTSTORE_CACHE``, and a
+store with a local tier (``local=``) in the tier's directory.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+from . import knobs
 from .catalog import sync
-from .errors import BadInputError
+from .errors import BadInputError, require_int
 from .format.config import ensure_config
+from .format.layout import CONFIG
 from .objects import ObjectStore, open_objects
+from .objects.local import LocalObjectStore
+from .objects.tiered import TieredObjectStore
 from .store import Store
+from .tier import Tier
+from .tier.pairing import REMOTE, pair, paired_remote
 
 
 def open(  # noqa: A001 - the public name
-    uri: str | os.PathLike, *, create: bool = True, endpoint_url: str | None = None
+    uri: str | os.PathLike,
+    *,
+    create: bool = True,
+    endpoint_url: str | None = None,
+    local: str | os.PathLike | None = None,
+    local_keep: int | None = None,
 ) -> Store:
     """Open (and by default create) the store at ``uri``: a path, ``file://`` or ``s3://bucket/prefix``.
 
@@ -24,12 +37,34 @@ def open(  # noqa: A001 - the public name
     under ``CKPTSTORE_CACHE``; steps committed elsewhere later appear on the next open); a
     missing or empty one loses nothing, and one SQLite cannot read is rebuilt.
     ``endpoint_url`` names an S3-compatible server (default: ``AWS_ENDPOINT_URL``, else AWS).
+
+    ``local`` (default ``CKPTSTORE_LOCAL``; "" for none) puts a local tier in front of the
+    store: a node-local directory that commits write to and reads take from first, uploaded to
+    the store by ``Store.drain`` (``ckptstore.tier``). Once uploaded, the tier keeps only what
+    its ``local_keep`` newest steps need (default ``CKPTSTORE_LOCAL_KEEP``, 2). A directory
+    fronts one store: it records which, and refuses another.
+
     Raises NotFoundError if the store (or its bucket) does not exist and ``create`` is false,
     UnsupportedError if it was written by a newer ckptstore format, StorageError if the
-    storage cannot be reached or refuses access.
+    storage cannot be reached or refuses access, BadInputError for a ``local`` directory that
+    is the store itself, fronts another store or is a store of its own.
     """
     objects = _open_objects(uri, create=create, endpoint_url=endpoint_url)
-    return Store(objects, sync.open_catalog(objects))
+    local = knobs.local_tier() if local is None else os.fspath(local)
+    if not local:
+        return Store(objects, sync.open_catalog(objects))
+    tiered, tier = _open_tier(
+        objects, local, endpoint_url, knobs.local_keep() if local_keep is None else local_keep
+    )
+    return Store(tiered, sync.open_catalog(tiered), tier=tier)
+
+
+def open_local_tier(path: str | os.PathLike, *, local_keep: int | None = None) -> Store:
+    """Open the store the local tier at ``path`` fronts, through that tier (``ckptstore drain
+    --local PATH`` after a crash). NotFoundError if ``path`` is no local tier."""
+    directory = LocalObjectStore(path, create=False)
+    remote, endpoint = paired_remote(directory)
+    return open(remote, create=False, endpoint_url=endpoint, local=directory.root, local_keep=local_keep)
 
 
 def rebuild_catalog(uri: str | os.PathLike, *, endpoint_url: str | None = None) -> sync.SyncReport:
@@ -52,5 +87,27 @@ def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | N
     if not uri:
         raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
     objects = open_objects(uri, create=create, endpoint_url=endpoint_url)
+    if objects.exists(REMOTE):
+        remote, _ = paired_remote(objects)
+        raise BadInputError(
+            f"{objects.uri} is the local tier of {remote}: open {remote} with local={objects.uri}"
+        )
     ensure_config(objects, create=create)
     return objects
+
+
+def _open_tier(
+    remote: ObjectStore, path: str, endpoint_url: str | None, keep: Any
+) -> tuple[TieredObjectStore, Tier]:
+    """The local tier at ``path`` in front of ``remote``, paired with it."""
+    keep = require_int(keep, "local_keep", minimum=0)
+    local = LocalObjectStore(path, create=True)
+    if getattr(remote, "root", None) == local.root:
+        raise BadInputError(f"local={path} is the store itself: give the local tier a directory of its own")
+    if local.exists(CONFIG) and not local.exists(REMOTE):
+        raise BadInputError(
+            f"local={path} is a store of its own, not a local tier: give the tier an empty directory"
+        )
+    pair(local, remote.uri, endpoint_url)
+    ensure_config(local, create=True)
+    return TieredObjectStore(local, remote), Tier(local, remote, keep=keep)

@@ -16,5 +16,9 @@ def progress_bar(
     items: Iterable[T], *, total: int | None = None, desc: str = "", unit: str = "it"
 ) -> Iterator[T]:
     """Iterate ``items`` with a tqdm bar on stderr when it is a terminal (``CKPTSTORE_PROGRESS=0`` hides it)."""
-    show = sys.stderr.isatty() and os.environ.get("CKPTSTORE_PROGRESS", "1") != "0"
-    return iter(tqdm(items, total=total, desc=desc, unit=unit, disable=not show, leave=False))
+    return iter(tqdm(items, total=total, desc=desc, unit=unit, disable=not shown(), leave=False))
+
+
+def shown() -> bool:
+    """Whether progress bars are shown: on a terminal, unless ``CKPTSTORE_PROGRESS=0``."""
+    return sys.stderr.isatty() and os.environ.get("CKPTSTORE_PROGRESS", "1") != "0"

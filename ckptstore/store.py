@@ -32,6 +32,7 @@ from .materialize.directory import materialize
 from .model import FileRow, LayerRow, StepRow
 from .objects import ObjectStore
 from .restore import restore as restore_engine
+from .tier import DrainReport, PendingStep, Tier
 from .verify import VerifyReport, verify
 
 __all__ = ["Store", "CommitReport", "VerifyReport"]
@@ -44,9 +45,11 @@ def _step(step: Any) -> int:
 class Store:
     """A checkpoint store: blobs in an ObjectStore, an index of the steps in a Catalog."""
 
-    def __init__(self, objects: ObjectStore, catalog: Catalog) -> None:
+    def __init__(self, objects: ObjectStore, catalog: Catalog, *, tier: Tier | None = None) -> None:
         self.objects = objects
         self.catalog = catalog
+        #: The local tier in front of the store (``open(local=...)``), or None.
+        self.tier = tier
         self._queue: CommitQueue | None = None
         self._closed = False
 
@@ -156,6 +159,40 @@ class Store:
     def wait(self) -> CommitReport | None:
         """Wait for a background commit in flight; returns its report, raises its error."""
         return self._queue.wait() if self._queue is not None else None
+
+    # -- the local tier --------------------------------------------------------------------
+
+    def drain(self, timeout: float | None = None) -> DrainReport | None:
+        """Upload every step the local tier holds and the store lacks, oldest first, then keep
+        only what the ``local_keep`` newest steps need locally; None without a local tier.
+
+        Waits for a background commit in flight first. Durable in the store when it returns.
+        ``timeout`` None: one try (each request with the usual retries); seconds: tries again,
+        waiting longer each time, until everything is up or the time is over. Raises, naming
+        every step not uploaded: StorageError (the store cannot be reached), ConflictError
+        (the store has another commit of a step), NotFoundError (an object a step needs is in
+        neither tier). Nothing is lost: what is not uploaded stays in the local tier.
+        """
+        self.wait()
+        return self.tier.drain(timeout) if self.tier is not None else None
+
+    def pending(self) -> list[PendingStep]:
+        """The steps committed to the local tier that the store does not have yet, oldest
+        first, with their bytes and why their last upload failed; [] without a local tier."""
+        return self.tier.pending() if self.tier is not None else []
+
+    def locations(self) -> dict[int, str]:
+        """Where each step is: ``"local"`` (only in this node's tier), ``"both"``, or
+        ``"store"`` (only in the store). Every step is ``"store"`` without a local tier."""
+        here = self.tier.locations() if self.tier is not None else {}
+        return {step: here.get(step, "store") for step in self.steps()}
+
+    def _refuse_tier(self, verb: str) -> None:
+        if self.tier is not None:
+            raise BadInputError(
+                f"{verb} works on the store itself ({self.objects.uri}), not through a local tier: "
+                "open it without local= (and CKPTSTORE_LOCAL unset), from any machine"
+            )
 
     # -- reading back ----------------------------------------------------------------------
 
@@ -343,7 +380,9 @@ class Store:
         changes nothing and reports what a real run would free. Safe to run while commits run.
         Every step the catalog lacks is imported from its manifest first: CorruptError
         (nothing changed) while such a manifest cannot be read, or a kept step misses a blob.
+        BadInputError through a local tier (``open(local=...)``): gc runs on the store itself.
         """
+        self._refuse_tier("gc")
         return collect(
             self.objects, self.catalog, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
             keep_best=keep_best, keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
@@ -353,8 +392,9 @@ class Store:
     def delete(self, step: int, *, dry_run: bool = False) -> GcReport:
         """Drop one step's record; its blobs go at the next gc unless other steps need them.
 
-        Raises NotFoundError for an unknown step.
+        Raises NotFoundError for an unknown step, BadInputError through a local tier.
         """
+        self._refuse_tier("delete")
         step = _step(step)
         self.catalog.description(step)  # NotFoundError names the known steps
         return collect(

@@ -29,7 +29,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 # The loopback S3 server (session) and a bucket per test: see tests/moto_s3.py.
-from tests.moto_s3 import s3, s3_server  # noqa: E402, F401
+from tests.moto_s3 import machine, s3, s3_server  # noqa: E402, F401
 from tools.engines import finalize_distributed, setup_single_process_env  # noqa: E402
 
 setup_single_process_env()

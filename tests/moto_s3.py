@@ -79,6 +79,17 @@ def s3(s3_server, monkeypatch, tmp_path) -> S3:
     return S3(endpoint, bucket, admin)
 
 
+@pytest.fixture
+def machine(monkeypatch, tmp_path):
+    """Switch to the machine called ``name``: its own, initially empty, catalog cache (returned)."""
+
+    def use(name: str):
+        monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / f"cache-{name}"))
+        return tmp_path / f"cache-{name}"
+
+    return use
+
+
 class _Body:
     def __init__(self, data: bytes) -> None:
         self.data = data
@@ -98,6 +109,7 @@ class Faults:
 
     answered: int = 0
     seen: list[str] = field(default_factory=list)  # operations of every request that matched
+    over: bool = False  # set it to let every later request through (the outage is over)
 
 
 def inject_faults(
@@ -116,7 +128,7 @@ def inject_faults(
     faults = Faults()
 
     def hook(request, **kwargs):
-        if not when(request):
+        if faults.over or not when(request):
             return None
         faults.seen.append(kwargs.get("event_name", ""))
         if times is not None and faults.answered >= times:

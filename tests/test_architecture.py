@@ -17,7 +17,7 @@ LAYERS = [
     {"model", "objects"},
     {"format"},
     {"catalog", "deepspeed", "strategies", "auxfiles"},
-    {"commit", "materialize", "verify", "gc", "thin", "restore", "dcp"},
+    {"commit", "materialize", "verify", "gc", "thin", "restore", "dcp", "tier"},
     {"export"},
     {"store"},
     {"opening"},

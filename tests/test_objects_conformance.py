@@ -28,12 +28,12 @@ class Backend:
     atomic_create: bool  # exactly one of several concurrent creators is told it created the object
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "tiered"])
 def backend(request, tmp_path, monkeypatch) -> Backend:
     monkeypatch.setenv("CKPTSTORE_S3_MULTIPART_THRESHOLD", str(1 * MIB))
     monkeypatch.setenv("CKPTSTORE_S3_PART_SIZE", str(5 * MIB))  # S3's (and boto3's) minimum part
     monkeypatch.setenv("CKPTSTORE_S3_FRESHEN_AFTER", "0")
-    if request.param == "local":
+    if request.param in ("local", "tiered"):
         root = tmp_path / "store"
 
         def leave_half_written(name: str, data: bytes) -> None:
@@ -46,6 +46,15 @@ def backend(request, tmp_path, monkeypatch) -> Backend:
 
             os.utime(root.joinpath(*name.split("/")), (1000, 1000))
 
+        if request.param == "tiered":  # a local tier in front of S3: every write lands locally
+            from ckptstore.objects.tiered import TieredObjectStore
+
+            s3 = request.getfixturevalue("s3")
+            tiered = TieredObjectStore(open_objects(str(root)), open_objects(s3.uri("store")))
+            return Backend(
+                "tiered", tiered, lambda: open_objects(s3.uri("nope"), create=False),
+                leave_half_written, make_old, atomic_create=True,
+            )  # fmt: skip
         return Backend(
             "local", open_objects(str(root)), lambda: open_objects(str(tmp_path / "nope"), create=False),
             leave_half_written, make_old, atomic_create=True,

@@ -21,17 +21,6 @@ from tools.engines import batches, build_engine, train
 DATA = batches(6)
 
 
-@pytest.fixture
-def machine(monkeypatch, tmp_path):
-    """Switch to the machine called ``name``: its own, initially empty, catalog cache."""
-
-    def use(name: str):
-        monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / f"cache-{name}"))
-        return tmp_path / f"cache-{name}"
-
-    return use
-
-
 def manifests(s3) -> list[str]:
     return [key for key in s3.keys("run/manifests/")]
 

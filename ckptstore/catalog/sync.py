@@ -115,12 +115,12 @@ def _fetch_all(
 
 def catalog_is_shared(objects: ObjectStore) -> bool:
     """Whether every process using ``objects`` shares one catalog (a local store's ``catalog.db``)
-    rather than keeping a cache of its own (S3)."""
-    return getattr(objects, "root", None) is not None
+    rather than keeping a cache of its own (S3, or a local tier's: ``private_catalog``)."""
+    return getattr(objects, "root", None) is not None and not getattr(objects, "private_catalog", False)
 
 
 def catalog_path(objects: ObjectStore) -> Path:
-    """The catalog file of ``objects``: ``catalog.db`` in a local store, else the cache's."""
+    """The catalog file of ``objects``: ``catalog.db`` in a local store (or local tier), else the cache's."""
     root = getattr(objects, "root", None)
     return cache_path(objects) if root is None else Path(root) / "catalog.db"
 

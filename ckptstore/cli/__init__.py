@@ -14,7 +14,7 @@ import sys
 import click
 
 from ..errors import CkptStoreError
-from . import checkpoints, checks, retention, steps  # noqa: F401  (each registers its commands)
+from . import checkpoints, checks, retention, steps, tier  # noqa: F401  (each registers its commands)
 from .base import EXIT_INTERNAL, cli
 
 __all__ = ["cli", "main"]

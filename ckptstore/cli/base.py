@@ -28,9 +28,14 @@ def uri_of(ctx: click.Context) -> str:
     return uri
 
 
-def open_store(ctx: click.Context) -> Store:
-    """Open the command's store; it must exist."""
-    return opening.open(uri_of(ctx), create=False)
+def open_store(ctx: click.Context, *, through_tier: bool = True) -> Store:
+    """Open the command's store; it must exist. Through the local tier the group was given
+    (``--local``, ``$CKPTSTORE_LOCAL``), unless ``through_tier`` is false (gc, delete and verify
+    work on the store itself). Given only the tier, the store is the one the tier fronts."""
+    local = ctx.obj.get("local") or "" if through_tier else ""
+    if local and not (ctx.params.get("store_uri") or ctx.obj["store"]):
+        return opening.open_local_tier(local)
+    return opening.open(uri_of(ctx), create=False, local=local)
 
 
 def human(n: float) -> str:
@@ -49,9 +54,16 @@ def human(n: float) -> str:
     metavar="URI",
     help="The store: a directory path, file:// or s3://bucket/prefix URI. Defaults to $CKPTSTORE_STORE.",
 )
+@click.option(
+    "--local",
+    envvar="CKPTSTORE_LOCAL",
+    metavar="DIR",
+    help="This node's local tier in front of the store (steps not uploaded yet, fast reads). "
+    "Defaults to $CKPTSTORE_LOCAL.",
+)
 @click.version_option(package_name="ckptstore")
 @click.pass_context
-def cli(ctx: click.Context, store: str | None) -> None:
+def cli(ctx: click.Context, store: str | None, local: str | None) -> None:
     """Content-addressed, deduplicated DeepSpeed checkpoints.
 
     Training code commits with ``ckptstore.open(URI).commit(engine, step)``; these
@@ -59,3 +71,4 @@ def cli(ctx: click.Context, store: str | None) -> None:
     """
     ctx.ensure_object(dict)
     ctx.obj["store"] = store
+    ctx.obj["local"] = local

@@ -30,7 +30,7 @@ def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as
     """
     if fast and deep:
         raise click.UsageError("--fast and --deep exclude each other")
-    with open_store(ctx) as store:
+    with open_store(ctx, through_tier=False) as store:
         report = store.verify(deep=not fast)
     if as_json:
         click.echo(json.dumps(report.as_dict()))

@@ -113,7 +113,7 @@ def gc(
     Never lose the best evaluation: ckptstore gc --keep-last 3 --keep-best eval_loss:min
     Older steps as weights only:    ckptstore gc --keep-last 3 --keep-weights-every 1000
     """
-    with open_store(ctx) as store:
+    with open_store(ctx, through_tier=False) as store:
         report = store.gc(
             keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps, keep_best=keep_best, grace=grace,
             keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
@@ -133,7 +133,7 @@ def delete(ctx, store_uri, step, dry_run, as_json) -> None:
 
     Example: ckptstore --store runs/store delete --step 400
     """
-    with open_store(ctx) as store:
+    with open_store(ctx, through_tier=False) as store:
         report = store.delete(step, dry_run=dry_run)
     if as_json:
         click.echo(json.dumps(report.as_dict()))

@@ -57,18 +57,20 @@ def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) ->
 def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
     """List committed steps: when, how many layers each saved, bytes it added, whether it
     resumes ("weights": gc kept its weights only), metrics. A step whose manifest cannot be
-    read is named after the others (exit 4: run `ckptstore verify`).
+    read is named after the others (exit 4: run `ckptstore verify`). With a local tier
+    (--local), where each step is: "local" (not uploaded yet), "both", or only in the store.
 
     Example: ckptstore --store runs/store log
     """
     with open_store(ctx) as store:
         rows = store.log()
         unreadable = store.unreadable_steps()
+        where = _where(store) if store.tier is not None else None
     if as_json:
         for row in rows:
-            click.echo(json.dumps(asdict(row)))
+            click.echo(json.dumps(asdict(row) | ({"where": where[row.step]} if where else {})))
     elif rows:
-        _print_log(rows)
+        _print_log(rows, where)
     elif not unreadable:
         click.echo("no steps committed yet")
     if unreadable:  # listed above are the others; a damaged step is not a missing one
@@ -77,12 +79,19 @@ def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
         raise CorruptError(f"step {step} is committed but cannot be read{more}: manifest {why}")
 
 
-def _print_log(rows: list) -> None:
-    """The log as a table, one line per step."""
+def _where(store) -> dict[int, str]:
+    """Each step's place with a local tier: local, both, or the store's scheme (s3)."""
+    remote = store.objects.uri.split("://", 1)[0] if "://" in store.objects.uri else "store"
+    return {step: remote if place == "store" else place for step, place in store.locations().items()}
+
+
+def _print_log(rows: list, where: dict[int, str] | None = None) -> None:
+    """The log as a table, one line per step; ``where`` adds a column (a store with a local tier)."""
     with_metrics = any(row.metrics for row in rows)
     click.echo(
         f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'objects added':>13}  {'bytes added':>11}"
         + "  resumes"
+        + ("  where" if where else "")
         + ("  metrics" if with_metrics else "")
     )
     for row in rows:
@@ -91,6 +100,7 @@ def _print_log(rows: list) -> None:
         click.echo(
             f"{row.step:>10}  {row.created_at:<25} {saved:>12}  {row.blobs_added:>13}  {human(row.bytes_added):>11}"
             + ("  yes    " if row.resumable else "  weights")
+            + (f"  {where.get(row.step, '-'):<5}" if where else "")
             + (f"  {metrics}" if metrics else "")
         )
 

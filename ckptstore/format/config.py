@@ -15,7 +15,8 @@ from ..errors import BadInputError, CorruptError, NotFoundError, UnsupportedErro
 from ..objects import ObjectStore
 from .layout import BLOBS, CONFIG, FILES, MANIFESTS, PACKS
 
-NAMESPACES = (BLOBS, PACKS, FILES, MANIFESTS)
+# ``tier/``: a local tier's own records (``ckptstore.tier``).
+NAMESPACES = (BLOBS, PACKS, FILES, MANIFESTS, "tier/")
 
 # 1: a blob per stored tensor. 2: a pack per rank and layer (``format.pack``), CKPM manifests.
 STORE_FORMAT_VERSION = 2

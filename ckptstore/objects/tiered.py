@@ -1,0 +1,85 @@
+"""A node-local store in front of a remote one: writes land locally, reads take the nearest copy.
+
+A commit through a ``TieredObjectStore`` writes its packs and manifest to the local tier only,
+under the local store's commit-point rules, and never waits on the network; ``ckptstore.tier``
+uploads them behind. A read takes the local copy when there is one and the remote's otherwise;
+either way the reader verifies what it decoded, so a damaged local copy is an error, not a
+silent fallback. Listings are the union of both tiers, so the catalog sees the steps S3 has
+plus those only this node has so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import NotFoundError
+from . import Data, ObjectInfo, ObjectStore
+from .local import LocalObjectStore
+
+
+class TieredObjectStore(ObjectStore):
+    """``local`` (a node-local directory) in front of ``remote`` (the store itself, usually S3)."""
+
+    #: The catalog lives in the local tier but is this node's own, like an S3 store's cache: a
+    #: step whose manifest is gone from both tiers was dropped by a gc elsewhere.
+    private_catalog = True
+
+    def __init__(self, local: LocalObjectStore, remote: ObjectStore) -> None:
+        self.local = local
+        self.remote = remote
+        self.uri = remote.uri
+        # The catalog file and the refusal to write outputs into the store follow the local tier.
+        self.root: Path = local.root
+
+    def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
+        """Store ``data`` on the local tier (durable there when it returns); uploads come later."""
+        return self.local.put_if_absent(name, data, single_request=single_request)
+
+    def touch(self, name: str) -> int | None:
+        # Only the local tier is asked: a commit never waits on the network. A pack only the
+        # remote still has is written locally again, and the upload then finds it there.
+        return self.local.touch(name)
+
+    def get(self, name: str) -> bytes:
+        try:
+            return self.local.get(name)
+        except NotFoundError:
+            return self.remote.get(name)
+
+    def get_range(self, name: str, start: int, length: int) -> bytes | memoryview:
+        try:
+            return self.local.get_range(name, start, length)
+        except NotFoundError:
+            return self.remote.get_range(name, start, length)
+
+    def info(self, name: str) -> ObjectInfo:
+        try:
+            return self.local.info(name)
+        except NotFoundError:
+            return self.remote.info(name)
+
+    def delete(self, name: str) -> None:
+        """Remove the object from the local tier only: the remote is collected by its own gc."""
+        self.local.delete(name)
+
+    def lock(self, *, exclusive: bool) -> contextlib.AbstractContextManager:
+        # Held by commits (shared) and by the local tier's pruning (exclusive), so that pruning
+        # never deletes a pack a commit in flight has written or found but not yet published.
+        return self.local.lock(exclusive=exclusive)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object either tier has, once each (the local copy's info where both do)."""
+        found = {info.name: info for info in self.remote.list(prefix)}
+        found.update((info.name, info) for info in self.local.list(prefix))
+        yield from (found[name] for name in sorted(found))
+
+    def list_temporary(self) -> Iterator[ObjectInfo]:
+        return self.local.list_temporary()
+
+    def delete_temporary(self, names: list[str]) -> None:
+        self.local.delete_temporary(names)
+
+    def __repr__(self) -> str:
+        return f"TieredObjectStore(local={self.local!r}, remote={self.remote!r})"

@@ -1,0 +1,57 @@
+"""Keeping the local tier small: once steps are uploaded, only what the newest few need stays.
+
+The local tier keeps every object its ``keep`` newest steps name (so restoring one of them on
+this node reads nothing from the remote) and everything of every step not uploaded yet; the
+rest, which the remote holds, is deleted, manifests and upload marks of the dropped steps last.
+It runs under the tier's exclusive lock, so a commit in flight (which holds it shared) never
+has a pack it wrote or found deleted before its manifest names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..catalog.sync import read_manifest
+from ..format import layout
+from ..objects import ObjectStore
+from .upload import object_names, pending_steps, uploaded_name, uploaded_steps
+
+
+@dataclass
+class PruneReport:
+    """What pruning removed from the local tier."""
+
+    steps_dropped: list[int]
+    objects_deleted: int
+    bytes_freed: int
+
+
+def prune(local: ObjectStore, keep: int) -> PruneReport:
+    """Delete from ``local`` what neither its ``keep`` newest steps nor a step still to upload
+    need. Steps the remote does not have are never touched. Raises what ``local`` raises."""
+    with local.lock(exclusive=True):
+        manifests = layout.list_manifests(local)
+        steps = sorted(manifests.found)
+        pending = set(pending_steps(local))
+        kept = set(steps[-keep:] if keep > 0 else []) | pending
+        needed: set[str] = set()
+        for step in kept:
+            needed.update(object_names(read_manifest(local, step)))
+        stored = [
+            info
+            for prefix in (layout.PACKS, layout.BLOBS, layout.FILES)
+            for info in local.list(prefix)
+            if info.name not in needed
+        ]
+        local.delete_many([info.name for info in stored])
+        dropped = [step for step in steps if step not in kept]
+        local.delete_many(
+            [
+                layout.manifest_name(step, generation)
+                for step in dropped
+                for generation in manifests.generations[step]
+            ]
+        )
+        done = uploaded_steps(local)
+        local.delete_many([uploaded_name(step) for step in dropped if step in done])
+    return PruneReport(dropped, len(stored), sum(info.size for info in stored))

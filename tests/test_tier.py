@@ -1,0 +1,279 @@
+"""A local tier in front of S3: commits durable on node-local disk, uploaded later, nothing lost.
+
+The store is a bucket on a loopback moto server; "S3 unreachable" is every request of the
+tier's own boto3 client failing with a dropped connection (a before-send hook, the client
+itself real). Another node is an empty catalog cache and no local tier.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import BadInputError, ConflictError, StorageError
+from ckptstore.format import layout
+from tests.moto_s3 import inject_faults
+from tools.engines import batches, build_engine, free_port, train
+
+DATA = batches(8)
+
+
+@pytest.fixture
+def node(machine):
+    """Switch to the node called ``name`` (an empty catalog cache); returns its local tier's path."""
+    return lambda name: machine(name).with_name(f"nvme-{name}")
+
+
+def bucket_steps(s3) -> list[int]:
+    return sorted(layout.parse_manifest_name(k[len("run/") :])[0] for k in s3.keys("run/manifests/"))
+
+
+def local_bytes(path) -> int:
+    return sum(
+        f.stat().st_size
+        for prefix in ("packs", "blobs", "files")
+        if (path / prefix).exists()
+        for f in (path / prefix).rglob("*")
+        if f.is_file()
+    )
+
+
+def same_tree(a, b) -> bool:
+    compared = filecmp.dircmp(a, b)
+    if compared.left_only or compared.right_only or compared.funny_files:
+        return False
+    _, mismatch, errors = filecmp.cmpfiles(a, b, compared.common_files, shallow=False)
+    return not mismatch and not errors and all(same_tree(a / d, b / d) for d in compared.common_dirs)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0)
+    yield engine
+
+
+def test_commits_go_on_while_s3_is_unreachable_and_drain_uploads_them_later(s3, node, tmp_path, engine):
+    nvme = node("a")
+    store = ckptstore.open(s3.uri(), local=nvme)
+    outage = inject_faults(store.objects.remote.client, "*", "connection", times=None)
+    for step in (1, 2, 3):
+        train(engine, DATA[step - 1 : step])
+        store.commit(engine, step)
+    assert outage.answered == 0  # a commit never asked S3 anything
+    assert bucket_steps(s3) == [] and not s3.keys("run/packs/")
+    assert [p.step for p in store.pending()] == [1, 2, 3]
+    assert store.locations() == {1: "local", 2: "local", 3: "local"}
+    expected = {}
+    for step in (1, 2, 3):
+        expected[step] = store.materialize(step, tmp_path / f"here-{step}")  # read from the tier
+
+    with pytest.raises(StorageError, match=r"steps 1, 2, 3 not uploaded to s3://"):
+        store.drain()
+    assert outage.answered > 0 and bucket_steps(s3) == []
+    assert [p.step for p in store.pending()] == [1, 2, 3] and store.pending()[0].error
+
+    outage.over = True  # S3 is reachable again
+    report = store.drain()
+    assert [u.step for u in report.uploaded] == [1, 2, 3]
+    assert bucket_steps(s3) == [1, 2, 3] and store.pending() == []
+    store.close()
+
+    node("b")  # another node: an empty cache, no local tier
+    elsewhere = ckptstore.open(s3.uri(), create=False, local="")
+    assert elsewhere.steps() == [1, 2, 3]
+    for step in (1, 2, 3):
+        out = elsewhere.materialize(step, tmp_path / f"there-{step}")
+        assert same_tree(out, expected[step]), step
+    assert elsewhere.verify().ok
+
+
+def counting_reads(objects) -> list[int]:
+    """Count the bytes read through ``objects`` (an S3 store's own methods, wrapped)."""
+    fetched = [0]
+
+    def counted(read):
+        def counting(*args, **kwargs):
+            data = read(*args, **kwargs)
+            fetched[0] += memoryview(data).nbytes
+            return data
+
+        return counting
+
+    objects.get, objects.get_range = counted(objects.get), counted(objects.get_range)
+    return fetched
+
+
+def test_the_committing_node_reads_an_uploaded_step_from_its_tier_not_from_s3(s3, node, tmp_path, engine):
+    store = ckptstore.open(s3.uri(), local=node("a"))
+    train(engine, DATA[:1])
+    store.commit(engine, 10)
+    store.drain()
+    assert store.locations() == {10: "both"}
+    fetched = counting_reads(store.objects.remote)
+    store.materialize(10, tmp_path / "out")
+    restored = build_engine("llama", zero_stage=1, dtype="bf16", seed=5)
+    store.restore(restored, 10)
+    store.export(10, tmp_path / "hf")
+    assert fetched[0] == 0
+    store.close()
+
+
+def test_local_keep_holds_about_two_steps_locally_while_s3_holds_all_five(s3, node, engine):
+    nvme = node("a")
+    store = ckptstore.open(s3.uri(), local=nvme, local_keep=2)
+    sizes = []
+    for step in range(1, 6):
+        train(engine, DATA[step : step + 1])  # every tensor changes
+        sizes.append(store.commit(engine, step).bytes_added)
+        store.drain()
+    assert bucket_steps(s3) == [1, 2, 3, 4, 5]
+    assert store.steps() == [1, 2, 3, 4, 5]
+    assert store.locations() == {1: "store", 2: "store", 3: "store", 4: "both", 5: "both"}
+    held = local_bytes(nvme)
+    assert 0.9 * (sizes[3] + sizes[4]) <= held <= 1.1 * (sizes[3] + sizes[4]), (held, sizes)
+    print(f"local tier holds {held} bytes; the five steps added {sum(sizes)}")
+    store.close()
+
+    # a step pruned from the tier is read from S3 on this node, and everything still verifies
+    again = ckptstore.open(s3.uri(), local=nvme, local_keep=2)
+    assert again.steps() == [1, 2, 3, 4, 5]
+    assert again.state_dict(1).keys() == again.state_dict(5).keys()
+    again.close()
+    assert ckptstore.open(s3.uri(), local="").verify().ok
+
+
+def test_a_tier_fronts_one_store_and_is_not_a_store_of_its_own(s3, node, tmp_path):
+    nvme = node("a")
+    ckptstore.open(s3.uri(), local=nvme).close()
+    with pytest.raises(BadInputError, match="is the local tier of s3://"):
+        ckptstore.open(s3.uri("other"), local=nvme)
+    with pytest.raises(BadInputError, match="is the local tier of s3://.*local="):
+        ckptstore.open(nvme)
+    ckptstore.open(tmp_path / "plain").close()
+    with pytest.raises(BadInputError, match="a store of its own"):
+        ckptstore.open(s3.uri(), local=tmp_path / "plain")
+    with pytest.raises(BadInputError, match="gc works on the store itself"):
+        ckptstore.open(s3.uri(), local=nvme).gc(keep_last=1)
+
+
+def test_ckptstore_local_in_the_environment_gives_every_open_a_tier(s3, node, monkeypatch, engine):
+    nvme = node("a")
+    monkeypatch.setenv("CKPTSTORE_LOCAL", str(nvme))
+    store = ckptstore.open(s3.uri())
+    assert store.tier is not None and store.tier.local.root == nvme
+    store.close()
+    assert ckptstore.open(s3.uri(), local="").tier is None
+
+
+def test_a_job_killed_after_a_commit_loses_nothing_drain_uploads_it_later(s3, node, tmp_path, run):
+    nvme, dump = node("a"), tmp_path / "weights.pt"
+    worker = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("tier_worker.py")), s3.uri(), str(nvme), str(dump)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "MASTER_PORT": str(free_port())},
+    )  # fmt: skip
+    try:
+        assert "committed" in iter(lambda: worker.stdout.readline().strip(), "")  # DeepSpeed prints too
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    assert bucket_steps(s3) == []
+
+    listed = run("--local", str(nvme), "log")
+    assert listed.returncode == 0 and "local" in listed.stdout.splitlines()[1], listed.stdout
+    drained = run("--local", str(nvme), "drain")
+    assert drained.returncode == 0 and f"uploaded step 1 to {s3.uri()}" in drained.stdout, drained.stderr
+    assert bucket_steps(s3) == [1]
+    assert "nothing to upload" in run("--local", str(nvme), "drain").stdout
+
+    node("b")  # another node restores it equal
+    elsewhere = ckptstore.open(s3.uri(), create=False, local="")
+    restored = build_engine("llama", zero_stage=1, dtype="bf16", seed=5)
+    elsewhere.restore(restored, 1)
+    expected = torch.load(dump)
+    for name, param in restored.module.named_parameters():
+        assert torch.equal(param.detach().float(), expected[name]), name
+
+
+def test_drain_needs_the_tier_and_exits_7_while_the_store_cannot_be_reached(
+    s3, node, run, monkeypatch, engine
+):
+    assert run("drain").returncode == 2  # no --local, no CKPTSTORE_LOCAL
+    nvme = node("a")
+    with ckptstore.open(s3.uri(), local=nvme) as store:
+        store.commit(engine, 1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("CKPTSTORE_S3_MAX_ATTEMPTS", "1")
+    unreachable = run("--local", str(nvme), "drain")
+    assert (
+        unreachable.returncode == 7
+        and "error:" in unreachable.stderr
+        and "Traceback" not in unreachable.stderr
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    assert run("--local", str(nvme), "drain").returncode == 0 and bucket_steps(s3) == [1]
+
+
+def test_an_upload_that_broke_off_is_never_published_half_and_the_next_drain_finishes_it(
+    s3, node, tmp_path, engine
+):
+    store = ckptstore.open(s3.uri(), local=node("a"))
+    store.commit(engine, 1)
+    puts = []
+
+    def after_two_packs(request) -> bool:  # two packs go up, then the connection drops for good
+        puts.append(request.url)
+        return len(puts) > 2
+
+    breaks = inject_faults(
+        store.objects.remote.client, "PutObject", "connection", times=None, when=after_two_packs
+    )
+    with pytest.raises(StorageError, match="step 1 not uploaded"):
+        store.drain()
+    assert s3.keys("run/packs/") and bucket_steps(s3) == []  # some packs, no manifest
+    breaks.over = True
+    assert store.drain().uploaded[0].found >= 1  # the packs already there are not sent again
+    assert bucket_steps(s3) == [1]
+    assert ckptstore.open(s3.uri(), local="").verify().ok
+
+
+def test_a_step_another_writer_put_in_s3_first_stays_local_and_drain_says_so(s3, node, engine):
+    with ckptstore.open(s3.uri(), local=node("a")) as store:
+        store.commit(engine, 7)
+        other = ckptstore.open(s3.uri(), local="")
+        train(engine, DATA[:1])
+        other.commit(engine, 7)  # a second job writing the same store
+        with pytest.raises(ConflictError, match="step 7 not uploaded.*another commit of step 7"):
+            store.drain()
+        assert [p.step for p in store.pending()] == [7]
+
+
+def test_non_blocking_commits_and_dcp_saves_land_in_the_tier_and_drain_like_any_other(s3, node, engine):
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.integrations.dcp import StoreReader, StoreWriter
+    from tests.test_dcp_store import emptied, training_state
+
+    nvme = node("a")
+    with ckptstore.open(s3.uri(), local=nvme) as store:
+        store.commit(engine, 1, blocking=False).result()
+        assert store.locations() == {1: "local"} and bucket_steps(s3) == []
+        store.drain()
+    with ckptstore.open(s3.uri("dcp"), local=node("dcp")) as store:
+        state = training_state()
+        dcp.save(state, storage_writer=StoreWriter(store, step=3), no_dist=True)
+        assert store.locations() == {3: "local"} and not s3.keys("dcp/manifests/")
+        store.drain()
+    node("b")
+    with ckptstore.open(s3.uri("dcp"), create=False, local="") as elsewhere:
+        loaded = emptied(state)
+        dcp.load(loaded, storage_reader=StoreReader(elsewhere, step=3), no_dist=True)
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    assert bucket_steps(s3) == [1]
