@@ -143,3 +143,34 @@ def local_tier() -> str:
 def local_keep() -> int:
     """Steps whose objects a local tier keeps once they are uploaded (``local_keep=``)."""
     return _int("LOCAL_KEEP", 2)
+
+
+def local_upload() -> str:
+    """How a local tier uploads: "background" (a thread, as steps land) or "drain" (only when
+    ``drain`` is called, or from ``ckptstore drain``). BadInputError for anything else."""
+    from .errors import BadInputError
+
+    value = os.environ.get("CKPTSTORE_LOCAL_UPLOAD", "background")
+    if value not in ("background", "drain"):
+        raise BadInputError(f"CKPTSTORE_LOCAL_UPLOAD must be background or drain, not {value!r}")
+    return value
+
+
+def local_max_bytes() -> int:
+    """Bytes of steps not uploaded yet past which a commit waits for the uploads (0: no limit)."""
+    return _int("LOCAL_MAX_BYTES", 0)
+
+
+def local_retry_first() -> float:
+    """Seconds before a failed background upload is first retried (doubling each time)."""
+    return _float("LOCAL_RETRY_FIRST", 1.0)
+
+
+def local_retry_longest() -> float:
+    """The longest wait between retries of a failing background upload, in seconds."""
+    return _float("LOCAL_RETRY_LONGEST", 60.0)
+
+
+def local_poll_seconds() -> float:
+    """How often the background uploader looks for steps a commit it was not told of left."""
+    return _float("LOCAL_POLL_SECONDS", 2.0)

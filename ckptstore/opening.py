@@ -30,6 +30,8 @@ def open(  # noqa: A001 - the public name
     endpoint_url: str | None = None,
     local: str | os.PathLike | None = None,
     local_keep: int | None = None,
+    local_max_bytes: int | None = None,
+    local_upload: str | None = None,
 ) -> Store:
     """Open (and by default create) the store at ``uri``: a path, ``file://`` or ``s3://bucket/prefix``.
 
@@ -40,9 +42,13 @@ def open(  # noqa: A001 - the public name
 
     ``local`` (default ``CKPTSTORE_LOCAL``; "" for none) puts a local tier in front of the
     store: a node-local directory that commits write to and reads take from first, uploaded to
-    the store by ``Store.drain`` (``ckptstore.tier``). Once uploaded, the tier keeps only what
-    its ``local_keep`` newest steps need (default ``CKPTSTORE_LOCAL_KEEP``, 2). A directory
-    fronts one store: it records which, and refuses another.
+    the store behind training (``local_upload="background"``, the default, or
+    ``CKPTSTORE_LOCAL_UPLOAD``: a thread that starts at once on steps a killed process left)
+    or only by ``Store.drain`` (``"drain"``); see ``ckptstore.tier``. Once uploaded, the tier
+    keeps only what its ``local_keep`` newest steps need (default ``CKPTSTORE_LOCAL_KEEP``, 2).
+    Past ``local_max_bytes`` of steps not uploaded yet (default ``CKPTSTORE_LOCAL_MAX_BYTES``,
+    0: no limit) a commit waits for the uploads. A directory fronts one store: it records
+    which, and refuses another.
 
     Raises NotFoundError if the store (or its bucket) does not exist and ``create`` is false,
     UnsupportedError if it was written by a newer ckptstore format, StorageError if the
@@ -54,17 +60,27 @@ def open(  # noqa: A001 - the public name
     if not local:
         return Store(objects, sync.open_catalog(objects))
     tiered, tier = _open_tier(
-        objects, local, endpoint_url, knobs.local_keep() if local_keep is None else local_keep
-    )
-    return Store(tiered, sync.open_catalog(tiered), tier=tier)
+        objects, local, endpoint_url,
+        keep=knobs.local_keep() if local_keep is None else local_keep,
+        max_bytes=knobs.local_max_bytes() if local_max_bytes is None else local_max_bytes,
+    )  # fmt: skip
+    store = Store(tiered, sync.open_catalog(tiered), tier=tier)
+    upload = knobs.local_upload() if local_upload is None else local_upload
+    if upload not in ("background", "drain"):
+        store.close()
+        raise BadInputError(f"local_upload must be 'background' or 'drain', not {upload!r}")
+    if upload == "background":
+        tier.upload_behind()
+    return store
 
 
-def open_local_tier(path: str | os.PathLike, *, local_keep: int | None = None) -> Store:
-    """Open the store the local tier at ``path`` fronts, through that tier (``ckptstore drain
-    --local PATH`` after a crash). NotFoundError if ``path`` is no local tier."""
+def open_local_tier(path: str | os.PathLike) -> Store:
+    """Open the store the local tier at ``path`` fronts, through that tier, uploading only when
+    drained (``ckptstore drain --local PATH`` after a crash). NotFoundError if ``path`` is no
+    local tier."""
     directory = LocalObjectStore(path, create=False)
     remote, endpoint = paired_remote(directory)
-    return open(remote, create=False, endpoint_url=endpoint, local=directory.root, local_keep=local_keep)
+    return open(remote, create=False, endpoint_url=endpoint, local=directory.root, local_upload="drain")
 
 
 def rebuild_catalog(uri: str | os.PathLike, *, endpoint_url: str | None = None) -> sync.SyncReport:
@@ -97,10 +113,11 @@ def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | N
 
 
 def _open_tier(
-    remote: ObjectStore, path: str, endpoint_url: str | None, keep: Any
+    remote: ObjectStore, path: str, endpoint_url: str | None, *, keep: Any, max_bytes: Any
 ) -> tuple[TieredObjectStore, Tier]:
     """The local tier at ``path`` in front of ``remote``, paired with it."""
     keep = require_int(keep, "local_keep", minimum=0)
+    max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0)
     local = LocalObjectStore(path, create=True)
     if getattr(remote, "root", None) == local.root:
         raise BadInputError(f"local={path} is the store itself: give the local tier a directory of its own")
@@ -110,4 +127,4 @@ def _open_tier(
         )
     pair(local, remote.uri, endpoint_url)
     ensure_config(local, create=True)
-    return TieredObjectStore(local, remote), Tier(local, remote, keep=keep)
+    return TieredObjectStore(local, remote), Tier(local, remote, keep=keep, max_bytes=max_bytes)

@@ -62,7 +62,11 @@ class Store:
             if self._queue is not None:
                 self._queue.close()
         finally:
-            self.catalog.close()
+            try:
+                if self.tier is not None:
+                    self.tier.close()
+            finally:
+                self.catalog.close()
 
     def __enter__(self) -> Store:
         return self
@@ -150,9 +154,14 @@ class Store:
         step = _step(step)
         options = dict(layers=layers, files=files, metrics=metrics)
         take_snapshot = functools.partial(extract, engine, client_state)
+        if self.tier is not None:
+            self.tier.wait_for_room()
         if blocking:
             self.wait()
-            return commit_step(self.objects, self.catalog, step, take_snapshot, **options)
+            report = commit_step(self.objects, self.catalog, step, take_snapshot, **options)
+            if self.tier is not None:
+                self.tier.committed()
+            return report
         self._queue = self._queue or CommitQueue()
         return submit_commit(self._queue, self.objects, self.catalog, step, engine, take_snapshot, **options)
 

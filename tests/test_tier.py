@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,29 +61,47 @@ def engine():
     yield engine
 
 
-def test_commits_go_on_while_s3_is_unreachable_and_drain_uploads_them_later(s3, node, tmp_path, engine):
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """Background uploads retry and look for new steps every few tens of milliseconds."""
+    monkeypatch.setenv("CKPTSTORE_LOCAL_RETRY_FIRST", "0.05")
+    monkeypatch.setenv("CKPTSTORE_LOCAL_RETRY_LONGEST", "0.2")
+    monkeypatch.setenv("CKPTSTORE_LOCAL_POLL_SECONDS", "0.05")
+
+
+def eventually(condition, what: str, within: float = 120.0) -> None:
+    """Wait until ``condition()`` holds (uploads run on another thread); fail naming ``what``."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def test_commits_go_on_while_s3_is_unreachable_and_drain_uploads_them_later(
+    s3, node, tmp_path, engine, quick_retries, caplog
+):
     nvme = node("a")
-    store = ckptstore.open(s3.uri(), local=nvme)
+    store = ckptstore.open(s3.uri(), local=nvme)  # uploads in the background
     outage = inject_faults(store.objects.remote.client, "*", "connection", times=None)
     for step in (1, 2, 3):
         train(engine, DATA[step - 1 : step])
-        store.commit(engine, step)
-    assert outage.answered == 0  # a commit never asked S3 anything
+        store.commit(engine, step)  # returns: the outage never reaches training
     assert bucket_steps(s3) == [] and not s3.keys("run/packs/")
+    eventually(lambda: outage.answered > 0 and all(p.error for p in store.pending()), "an upload failing")
     assert [p.step for p in store.pending()] == [1, 2, 3]
+    assert "uploads to s3://" in caplog.text and "are failing" in caplog.text  # said once, not per try
+    assert caplog.text.count("are failing") == 1
     assert store.locations() == {1: "local", 2: "local", 3: "local"}
-    expected = {}
-    for step in (1, 2, 3):
-        expected[step] = store.materialize(step, tmp_path / f"here-{step}")  # read from the tier
+    expected = {
+        step: store.materialize(step, tmp_path / f"here-{step}") for step in (1, 2, 3)
+    }  # from the tier
 
     with pytest.raises(StorageError, match=r"steps 1, 2, 3 not uploaded to s3://"):
         store.drain()
-    assert outage.answered > 0 and bucket_steps(s3) == []
-    assert [p.step for p in store.pending()] == [1, 2, 3] and store.pending()[0].error
+    assert bucket_steps(s3) == []
 
     outage.over = True  # S3 is reachable again
-    report = store.drain()
-    assert [u.step for u in report.uploaded] == [1, 2, 3]
+    store.drain()
     assert bucket_steps(s3) == [1, 2, 3] and store.pending() == []
     store.close()
 
@@ -93,6 +112,52 @@ def test_commits_go_on_while_s3_is_unreachable_and_drain_uploads_them_later(s3, 
         out = elsewhere.materialize(step, tmp_path / f"there-{step}")
         assert same_tree(out, expected[step]), step
     assert elsewhere.verify().ok
+
+
+def test_uploads_run_behind_training_and_a_commit_never_waits_for_them(s3, node, engine, quick_retries):
+    with ckptstore.open(s3.uri(), local=node("a")) as store:
+        store.commit(engine, 1)
+        eventually(lambda: bucket_steps(s3) == [1], "step 1 in S3")
+        eventually(lambda: store.locations() == {1: "both"}, "step 1 marked uploaded")
+        store.commit(engine, 2, blocking=False).result()  # a non-blocking commit is found by polling
+        eventually(lambda: bucket_steps(s3) == [1, 2], "step 2 in S3")
+
+
+def test_the_next_open_on_the_node_uploads_what_a_finished_process_left(s3, node, engine, quick_retries):
+    nvme = node("a")
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
+        store.commit(engine, 1)
+        store.commit(engine, 2, layers=["model.layers.0"])
+    assert bucket_steps(s3) == []  # the tier is the queue: it is on disk
+    with ckptstore.open(s3.uri(), local=nvme) as store:
+        eventually(lambda: bucket_steps(s3) == [1, 2], "steps 1 and 2 in S3")
+
+
+def test_close_uploads_what_is_left_and_a_failure_there_names_the_drain_command(
+    s3, node, engine, quick_retries, caplog
+):
+    nvme = node("a")
+    store = ckptstore.open(s3.uri(), local=nvme)
+    inject_faults(store.objects.remote.client, "*", "connection", times=None)
+    store.commit(engine, 1)
+    store.close()  # does not raise: the step is safe in the tier
+    assert f"ckptstore drain --local {nvme}" in caplog.text and bucket_steps(s3) == []
+    store = ckptstore.open(s3.uri(), local=nvme, local_upload="drain")
+    store.commit(engine, 2)
+    store.close()
+    assert bucket_steps(s3) == []  # drain-only: close leaves uploading to drain
+
+
+def test_a_backlog_past_local_max_bytes_makes_the_next_commit_wait_and_say_so_once(s3, node, engine, capfd):
+    nvme = node("a")
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain", local_max_bytes=1) as store:
+        store.commit(engine, 1)
+        assert bucket_steps(s3) == []
+        store.commit(engine, 2)  # waits for step 1's upload first
+        assert bucket_steps(s3) == [1]
+        store.commit(engine, 3)
+        assert bucket_steps(s3) == [1, 2]
+    assert capfd.readouterr().err.count("local_max_bytes=1: the commit waits") == 1
 
 
 def counting_reads(objects) -> list[int]:
@@ -112,7 +177,7 @@ def counting_reads(objects) -> list[int]:
 
 
 def test_the_committing_node_reads_an_uploaded_step_from_its_tier_not_from_s3(s3, node, tmp_path, engine):
-    store = ckptstore.open(s3.uri(), local=node("a"))
+    store = ckptstore.open(s3.uri(), local=node("a"), local_upload="drain")
     train(engine, DATA[:1])
     store.commit(engine, 10)
     store.drain()
@@ -128,7 +193,7 @@ def test_the_committing_node_reads_an_uploaded_step_from_its_tier_not_from_s3(s3
 
 def test_local_keep_holds_about_two_steps_locally_while_s3_holds_all_five(s3, node, engine):
     nvme = node("a")
-    store = ckptstore.open(s3.uri(), local=nvme, local_keep=2)
+    store = ckptstore.open(s3.uri(), local=nvme, local_keep=2, local_upload="drain")
     sizes = []
     for step in range(1, 6):
         train(engine, DATA[step : step + 1])  # every tensor changes
@@ -143,7 +208,7 @@ def test_local_keep_holds_about_two_steps_locally_while_s3_holds_all_five(s3, no
     store.close()
 
     # a step pruned from the tier is read from S3 on this node, and everything still verifies
-    again = ckptstore.open(s3.uri(), local=nvme, local_keep=2)
+    again = ckptstore.open(s3.uri(), local=nvme, local_keep=2, local_upload="drain")
     assert again.steps() == [1, 2, 3, 4, 5]
     assert again.state_dict(1).keys() == again.state_dict(5).keys()
     again.close()
@@ -207,7 +272,7 @@ def test_drain_needs_the_tier_and_exits_7_while_the_store_cannot_be_reached(
 ):
     assert run("drain").returncode == 2  # no --local, no CKPTSTORE_LOCAL
     nvme = node("a")
-    with ckptstore.open(s3.uri(), local=nvme) as store:
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
         store.commit(engine, 1)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("CKPTSTORE_S3_MAX_ATTEMPTS", "1")
@@ -224,7 +289,7 @@ def test_drain_needs_the_tier_and_exits_7_while_the_store_cannot_be_reached(
 def test_an_upload_that_broke_off_is_never_published_half_and_the_next_drain_finishes_it(
     s3, node, tmp_path, engine
 ):
-    store = ckptstore.open(s3.uri(), local=node("a"))
+    store = ckptstore.open(s3.uri(), local=node("a"), local_upload="drain")
     store.commit(engine, 1)
     puts = []
 
@@ -245,7 +310,7 @@ def test_an_upload_that_broke_off_is_never_published_half_and_the_next_drain_fin
 
 
 def test_a_step_another_writer_put_in_s3_first_stays_local_and_drain_says_so(s3, node, engine):
-    with ckptstore.open(s3.uri(), local=node("a")) as store:
+    with ckptstore.open(s3.uri(), local=node("a"), local_upload="drain") as store:
         store.commit(engine, 7)
         other = ckptstore.open(s3.uri(), local="")
         train(engine, DATA[:1])
@@ -262,11 +327,11 @@ def test_non_blocking_commits_and_dcp_saves_land_in_the_tier_and_drain_like_any_
     from tests.test_dcp_store import emptied, training_state
 
     nvme = node("a")
-    with ckptstore.open(s3.uri(), local=nvme) as store:
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
         store.commit(engine, 1, blocking=False).result()
         assert store.locations() == {1: "local"} and bucket_steps(s3) == []
         store.drain()
-    with ckptstore.open(s3.uri("dcp"), local=node("dcp")) as store:
+    with ckptstore.open(s3.uri("dcp"), local=node("dcp"), local_upload="drain") as store:
         state = training_state()
         dcp.save(state, storage_writer=StoreWriter(store, step=3), no_dist=True)
         assert store.locations() == {3: "local"} and not s3.keys("dcp/manifests/")

@@ -35,7 +35,8 @@ def open_store(ctx: click.Context, *, through_tier: bool = True) -> Store:
     local = ctx.obj.get("local") or "" if through_tier else ""
     if local and not (ctx.params.get("store_uri") or ctx.obj["store"]):
         return opening.open_local_tier(local)
-    return opening.open(uri_of(ctx), create=False, local=local)
+    # A command reads through the tier; uploading is drain's job, never a side effect of `log`.
+    return opening.open(uri_of(ctx), create=False, local=local, local_upload="drain")
 
 
 def human(n: float) -> str:

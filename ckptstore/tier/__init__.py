@@ -2,22 +2,29 @@
 
 ``ckptstore.open(uri, local=PATH)`` puts a ``TieredObjectStore`` in front of the store: commits
 write there (``objects.tiered``), ``Tier`` uploads what the remote lacks (``upload``) in step
-order and then keeps the local tier small (``prune``). Which remote a directory fronts is
-recorded in it (``pairing``), so ``ckptstore drain --local PATH`` finishes a crashed job's uploads.
+order, behind training (``uploader``) or when drained, and then keeps the local tier small
+(``prune``). Which remote a directory fronts is recorded in it (``pairing``), so ``ckptstore
+drain --local PATH`` finishes a crashed job's uploads.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import knobs
 from ..errors import CkptStoreError, StorageError
 from ..objects import ObjectStore
 from .prune import PruneReport, prune
 from .upload import StepUpload, local_steps, pending_steps, upload_step, uploaded_steps
+from .uploader import BackgroundUploader
+
+log = logging.getLogger("ckptstore")
 
 __all__ = ["Tier", "DrainReport", "PendingStep"]
 
@@ -52,14 +59,73 @@ class Tier:
     """A node-local directory in front of a remote store: what is only here, uploading it, pruning.
 
     ``keep``: once uploaded, the local tier keeps what its ``keep`` newest steps need.
+    ``max_bytes``: past this many bytes of steps not uploaded yet, a commit waits (0: never).
     """
 
-    def __init__(self, local: ObjectStore, remote: ObjectStore, *, keep: int) -> None:
+    def __init__(self, local: ObjectStore, remote: ObjectStore, *, keep: int, max_bytes: int = 0) -> None:
         self.local = local
         self.remote = remote
         self.keep = keep
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()  # one upload pass at a time in this process
         self._errors: dict[int, str] = {}
+        self._uploader: BackgroundUploader | None = None
+        self._said_full = False
+
+    def upload_behind(self) -> None:
+        """Upload from now on in a background thread, as steps land (steps a killed process
+        left in the tier first). ``close`` stops it."""
+        if self._uploader is None:
+            self._uploader = BackgroundUploader(self._background_pass, self.remote.uri)
+
+    def committed(self) -> None:
+        """A commit just landed in the tier: the background uploader, if any, starts on it."""
+        if self._uploader is not None:
+            self._uploader.wake()
+
+    def wait_for_room(self) -> None:
+        """Return once the steps not uploaded yet take at most ``max_bytes`` (at once when
+        there is no limit); says so once on stderr the first time it has to wait."""
+        while self.max_bytes and (backlog := sum(p.bytes for p in self.pending())) > self.max_bytes:
+            if not self._said_full:
+                self._said_full = True
+                print(
+                    f"ckptstore: {backlog} bytes of steps wait to be uploaded to {self.remote.uri}, more than "
+                    f"local_max_bytes={self.max_bytes}: the commit waits for the uploads",
+                    file=sys.stderr,
+                )
+            if self._uploader is None:
+                self.drain(timeout=None)
+            else:
+                self._uploader.wake()
+                time.sleep(knobs.local_poll_seconds() / 4)
+
+    def close(self) -> None:
+        """Stop the background uploader after the step it is on, then try once more to upload
+        what is pending; what still is not uploaded is named in a warning (nothing is lost: it
+        stays in the tier for the next open or ``ckptstore drain``)."""
+        if self._uploader is None:
+            return
+        self._uploader.stop()
+        self._uploader = None
+        if not pending_steps(self.local):
+            return
+        try:
+            self.drain(timeout=None)
+        except CkptStoreError as exc:
+            log.warning(
+                "ckptstore: %s; they stay in %s: run `ckptstore drain --local %s`",
+                exc, self.local.uri, self.local.uri,
+            )  # fmt: skip
+
+    def _background_pass(self) -> dict[int, CkptStoreError]:
+        """One background pass: upload what is pending, then prune if anything went up."""
+        report = DrainReport()
+        failed = self._upload_pass(report, None)
+        if report.uploaded:
+            with self._lock:
+                prune(self.local, self.keep)
+        return failed
 
     def locations(self) -> dict[int, str]:
         """Every step this node's tier knows of -> ``"local"`` (not uploaded yet), ``"both"``
