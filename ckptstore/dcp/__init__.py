@@ -1,17 +1,32 @@
 """All knowledge of PyTorch Distributed Checkpoint (DCP): what its state-dict items are in the
 store's vocabulary (``naming``) and its ``Metadata`` as plain JSON (``metadata``).
 
-The front door itself, DCP's ``StorageWriter``/``StorageReader``, is ``integrations.dcp``.
+DCP's ``StorageWriter`` and ``StorageReader`` are ``writer.StoreWriter`` and
+``reader.StoreReader``; users import them from their front door, ``integrations.dcp``.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Protocol
 
+from ..catalog import Catalog
 from ..errors import CorruptError
+from ..objects import ObjectStore
 
 # ``format`` of a step description written through DCP (DeepSpeed's descriptions have none).
 DCP_FORMAT = "dcp"
+
+
+class StoreParts(Protocol):
+    """What the DCP writer and reader use of a ``Store``: its objects and its catalog.
+
+    A protocol, not ``Store`` itself: ``store`` sits above this package's layer
+    (``tests/test_architecture.py``), and every ``Store`` has both.
+    """
+
+    objects: ObjectStore
+    catalog: Catalog
 
 
 def is_dcp_step(description: str | dict) -> bool:
