@@ -43,10 +43,13 @@ class StoreReader(StorageReader):
         self.step = None if step is None else require_int(step, "step", minimum=0)
         self._where: dict[MetadataIndex, chunks.ChunkLocation] = {}
         self._read_step: int | None = None
+        # (step, its DCP metadata as plain data, its chunks' locations): see ``_described``.
+        self._described_step: tuple[int, dict, dict] | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """A new load: the step is looked up again."""
         self._where = {}
+        self._described_step = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -72,14 +75,8 @@ class StoreReader(StorageReader):
         """DCP's metadata of the step, from its description (no pickle), with where each
         chunk is stored as its ``storage_data``."""
         step = self._resolve_step()
-        description = json.loads(self.store.catalog.description(step))
-        if not is_dcp_step(description):
-            raise BadInputError(
-                f"step {step} was committed from a DeepSpeed engine, not through DCP: resume it with "
-                "store.restore(engine, step) or `ckptstore materialize`"
-            )
-        metadata = plain_metadata.from_plain(description["dcp"])
-        found = chunks.locations(description, self.store.catalog.sources(step), step)
+        plain, found = self._described(step)
+        metadata = plain_metadata.from_plain(plain)  # DCP's own, new for every load
         metadata.storage_data = {
             MetadataIndex(fqn, None if offsets is None else torch.Size(offsets)): where
             for (fqn, offsets), where in found.items()
@@ -87,6 +84,21 @@ class StoreReader(StorageReader):
         metadata.storage_meta = StorageMeta(checkpoint_id=f"{self.store.objects.uri}@{step}")
         self._read_step = step
         return metadata
+
+    def _described(self, step: int) -> tuple[dict, dict]:
+        """Step ``step``'s DCP metadata as plain data and its chunks' locations, from its
+        description: parsed once per reader and step, as every rank calls ``read_metadata`` on
+        every ``dcp.load``, and a Lightning resume loads several times through one reader."""
+        if self._described_step is None or self._described_step[0] != step:
+            description = json.loads(self.store.catalog.description(step))
+            if not is_dcp_step(description):
+                raise BadInputError(
+                    f"step {step} was committed from a DeepSpeed engine, not through DCP: resume it with "
+                    "store.restore(engine, step) or `ckptstore materialize`"
+                )
+            found = chunks.locations(description, self.store.catalog.sources(step), step)
+            self._described_step = (step, description["dcp"], found)
+        return self._described_step[1], self._described_step[2]
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
