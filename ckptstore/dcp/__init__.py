@@ -36,6 +36,14 @@ def is_dcp_step(description: str | dict) -> bool:
     return isinstance(description, dict) and description.get("format") == DCP_FORMAT
 
 
+def dcp_description(catalog: Catalog, step: int) -> dict | None:
+    """Step ``step``'s description, parsed, if the step was saved through DCP; None if not (a
+    DeepSpeed engine committed it). Callers that route on it hand the parsed form on, so it
+    is parsed once. NotFoundError for an unknown step."""
+    description = json.loads(catalog.description(step))
+    return description if is_dcp_step(description) else None
+
+
 def item_names(description: dict) -> dict[str, tuple[str, str, str]]:
     """A DCP step's items, in the state dict's order -> ``(stored name, kind, layer)``
     (``naming``). CorruptError if the description's list of them is malformed."""
