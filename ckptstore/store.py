@@ -19,7 +19,7 @@ from . import auxfiles, strategies
 from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
 from .commit.step import CommitReport, commit_step, submit_commit
-from .dcp import is_dcp_step
+from .dcp import dcp_description
 from .dcp.directory import write_directory as write_dcp_directory
 from .dcp.weights import state_dict as dcp_state_dict
 from .errors import BadInputError, require_int
@@ -236,13 +236,18 @@ class Store:
         checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
         which loads at any world size: ``world_size`` and ``tag`` do not apply to it.
         """
-        if spec is None and is_dcp_step(self.catalog.description(_step(step))):
-            return self._materialize_dcp(_step(step), out, force=force, world_size=world_size, tag=tag)
+        description = None if spec is not None else dcp_description(self.catalog, _step(step))
+        if description is not None:
+            return self._materialize_dcp(
+                _step(step), description, out, force=force, world_size=world_size, tag=tag
+            )
         return materialize(
             self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
         )
 
-    def _materialize_dcp(self, step: int, out: Any, *, force: bool, world_size: Any, tag: Any) -> Path:
+    def _materialize_dcp(
+        self, step: int, description: dict, out: Any, *, force: bool, world_size: Any, tag: Any
+    ) -> Path:
         """``materialize`` of a step saved through DCP: a DCP checkpoint directory."""
         if world_size is not None or tag is not None:
             raise BadInputError(
@@ -251,7 +256,7 @@ class Store:
             )
         store_root = getattr(self.objects, "root", None)
         path = outputs.check_out(out, force=force, store_root=store_root, verb="materialize")
-        return write_dcp_directory(self.objects, self.catalog, step, path)
+        return write_dcp_directory(self.objects, self.catalog, step, description, path)
 
     def export(
         self,
@@ -308,8 +313,9 @@ class Store:
         (``integrations.dcp.StoreWriter``): the full tensors of the state dict's ``model``
         entry under its own keys (of a flat state dict, its parameters). Raises as ``export``.
         """
-        if spec is None and is_dcp_step(self.catalog.description(_step(step))):
-            return dcp_state_dict(self.objects, self.catalog, step, parse_dtype(dtype))
+        description = None if spec is not None else dcp_description(self.catalog, _step(step))
+        if description is not None:
+            return dcp_state_dict(self.objects, self.catalog, step, description, parse_dtype(dtype))
         return state_dict(self.objects, self.catalog, step, dtype, spec)
 
     def restore(

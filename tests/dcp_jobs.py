@@ -69,8 +69,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-# The tiny Llama: big enough for 4 FSDP units with real sharding, small enough for 2 shared cores.
-VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS = 256, 64, 128, 4, 4
+# The tiny Llama (tools.engines.build_model): big enough for 4 FSDP units with real sharding, small
+# enough for 2 shared cores.
+VOCAB, HIDDEN, LAYERS = 256, 64, 4
 SEQ, BATCH = 32, 2
 LR = 1e-3
 INIT_SEED = 0  # train-save; resume and dump-full build with RESUME_SEED and rely on the load
@@ -104,34 +105,40 @@ def open_store(uri: str):
     return ckptstore.open(uri)
 
 
+def parse_storage_spec(spec: str, saving: bool) -> tuple[str, Any, int | None, list[str] | None]:
+    """A storage SPEC -> ``(kind, where, step, layers)``: ``("fs", dir, None, None)`` or
+    ``("store", opened store, step, layers)``. SystemExit for anything else."""
+    kind, _, rest = spec.partition(":")
+    if kind == "fs":
+        return kind, rest, None, None
+    if kind == "store":
+        uri, step, layers = parse_store_spec(rest, saving)
+        return kind, open_store(uri), step, layers
+    raise SystemExit(f"bad storage spec {spec!r}: expected fs:<dir> or store:<uri>:<step>")
+
+
 def storage_writer(spec: str):
     """The DCP StorageWriter a SPEC names (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
 
-    kind, _, rest = spec.partition(":")
+    kind, where, step, layers = parse_storage_spec(spec, saving=True)
     if kind == "fs":
-        return dcp.FileSystemWriter(rest)
-    if kind == "store":
-        from ckptstore.integrations.dcp import StoreWriter
+        return dcp.FileSystemWriter(where)
+    from ckptstore.integrations.dcp import StoreWriter
 
-        uri, step, layers = parse_store_spec(rest, saving=True)
-        return StoreWriter(open_store(uri), step=step, layers=layers or None)
-    raise SystemExit(f"bad storage spec {spec!r}: expected fs:<dir> or store:<uri>:<step>")
+    return StoreWriter(where, step=step, layers=layers or None)
 
 
 def storage_reader(spec: str):
     """The DCP StorageReader a SPEC names (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
 
-    kind, _, rest = spec.partition(":")
+    kind, where, step, _ = parse_storage_spec(spec, saving=False)
     if kind == "fs":
-        return dcp.FileSystemReader(rest)
-    if kind == "store":
-        from ckptstore.integrations.dcp import StoreReader
+        return dcp.FileSystemReader(where)
+    from ckptstore.integrations.dcp import StoreReader
 
-        uri, step, _ = parse_store_spec(rest, saving=False)
-        return StoreReader(open_store(uri), step=step)
-    raise SystemExit(f"bad storage spec {spec!r}: expected fs:<dir> or store:<uri>:<step>")
+    return StoreReader(where, step=step)
 
 
 # --- process group -------------------------------------------------------------------------------
@@ -175,22 +182,10 @@ def build_fsdp(seed: int):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        max_position_embeddings=SEQ,
-        attention_dropout=0.0,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    from tools.engines import build_model
+
+    model = build_model("llama", seed=seed, num_layers=LAYERS, hidden=HIDDEN, vocab=VOCAB, max_positions=SEQ)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)

@@ -85,6 +85,20 @@ def test_a_saved_step_loads_every_tensor_and_every_plain_value_back(store):
     assert store.steps() == [100]
 
 
+def test_one_reader_parses_the_steps_description_once_however_often_it_loads(store, monkeypatch):
+    saved = training_state()
+    dcp.save(saved, storage_writer=StoreWriter(store, step=100))
+    read = []
+    description = store.catalog.description
+    monkeypatch.setattr(store.catalog, "description", lambda step: read.append(step) or description(step))
+    reader = StoreReader(store, step=100)  # as a Lightning resume loads: module, optimizer, the rest
+    for _ in range(3):
+        loaded = emptied(saved)
+        dcp.load(loaded, storage_reader=reader)
+        assert_equal_states(loaded, saved)
+    assert read == [100]
+
+
 def test_each_block_with_its_optimizer_state_is_a_layer_and_the_rest_is_the_steps_own_state(store):
     dcp.save(training_state(), storage_writer=StoreWriter(store, step=1))
     assert list(store.sources(1)) == ["model.embed_tokens", *BLOCKS, "lm_head", STATE_LAYER]

@@ -1,17 +1,32 @@
 """All knowledge of PyTorch Distributed Checkpoint (DCP): what its state-dict items are in the
 store's vocabulary (``naming``) and its ``Metadata`` as plain JSON (``metadata``).
 
-The front door itself, DCP's ``StorageWriter``/``StorageReader``, is ``integrations.dcp``.
+DCP's ``StorageWriter`` and ``StorageReader`` are ``writer.StoreWriter`` and
+``reader.StoreReader``; users import them from their front door, ``integrations.dcp``.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Protocol
 
+from ..catalog import Catalog
 from ..errors import CorruptError
+from ..objects import ObjectStore
 
 # ``format`` of a step description written through DCP (DeepSpeed's descriptions have none).
 DCP_FORMAT = "dcp"
+
+
+class StoreParts(Protocol):
+    """What the DCP writer and reader use of a ``Store``: its objects and its catalog.
+
+    A protocol, not ``Store`` itself: ``store`` sits above this package's layer
+    (``tests/test_architecture.py``), and every ``Store`` has both.
+    """
+
+    objects: ObjectStore
+    catalog: Catalog
 
 
 def is_dcp_step(description: str | dict) -> bool:
@@ -19,6 +34,14 @@ def is_dcp_step(description: str | dict) -> bool:
     if isinstance(description, str):
         description = json.loads(description)
     return isinstance(description, dict) and description.get("format") == DCP_FORMAT
+
+
+def dcp_description(catalog: Catalog, step: int) -> dict | None:
+    """Step ``step``'s description, parsed, if the step was saved through DCP; None if not (a
+    DeepSpeed engine committed it). Callers that route on it hand the parsed form on, so it
+    is parsed once. NotFoundError for an unknown step."""
+    description = json.loads(catalog.description(step))
+    return description if is_dcp_step(description) else None
 
 
 def item_names(description: dict) -> dict[str, tuple[str, str, str]]:

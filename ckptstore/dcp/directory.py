@@ -10,7 +10,6 @@ bytes the user's job gave DCP: nothing is unpickled here. The directory is built
 from __future__ import annotations
 
 import io
-import json
 import shutil
 from pathlib import Path
 
@@ -42,10 +41,10 @@ class _StoredChunks:
         return tensor
 
 
-def write_directory(objects: ObjectStore, catalog: Catalog, step: int, out: Path) -> Path:
-    """Write DCP step ``step`` as a DCP checkpoint directory at ``out`` (checked by the caller
-    with ``outputs.check_out``). Raises CorruptError for a chunk that does not verify."""
-    description = json.loads(catalog.description(step))
+def write_directory(objects: ObjectStore, catalog: Catalog, step: int, description: dict, out: Path) -> Path:
+    """Write DCP step ``step`` (``description``: its description, parsed, as
+    ``dcp_description`` gives it) as a DCP checkpoint directory at ``out`` (checked by the
+    caller with ``outputs.check_out``). Raises CorruptError for a chunk that does not verify."""
     metadata = plain_metadata.from_plain(description["dcp"])
     found = chunks.locations(description, catalog.sources(step), step)
     items, where = [], {}

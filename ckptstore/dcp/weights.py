@@ -8,7 +8,6 @@ items are left out. Each full tensor is assembled from its chunks (boxes) as sto
 
 from __future__ import annotations
 
-import json
 import math
 
 import torch
@@ -36,14 +35,13 @@ def model_items(description: dict) -> list[tuple[str, str]]:
 class DcpStepWeights:
     """The model weights of one DCP step, read from the store on demand.
 
-    ``entries`` lists them (``export.weights.Weight``) in the state dict's order;
-    ``training_dtype`` is the dtype most of them were saved in. Raises NotFoundError for an
-    unknown step.
+    ``description``: the step's description, parsed (``dcp_description``). ``entries`` lists
+    them (``export.weights.Weight``) in the state dict's order; ``training_dtype`` is the dtype
+    most of them were saved in. Raises NotFoundError for an unknown step.
     """
 
-    def __init__(self, objects: ObjectStore, catalog: Catalog, step: int) -> None:
+    def __init__(self, objects: ObjectStore, catalog: Catalog, step: int, description: dict) -> None:
         self.step = step
-        description = json.loads(catalog.description(step))
         self._items = description["dcp"]["items"]
         self._fqns = dict(model_items(description))
         self._parts: dict[str, list[tuple[list[int], chunks.ChunkLocation]]] = {}
@@ -80,9 +78,14 @@ class DcpStepWeights:
 
 
 def state_dict(
-    objects: ObjectStore, catalog: Catalog, step: int, dtype: torch.dtype | None = torch.float32
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int,
+    description: dict,
+    dtype: torch.dtype | None = torch.float32,
 ) -> dict[str, torch.Tensor]:
-    """Every model tensor of DCP step ``step``, whole, floating ones cast to ``dtype`` (None:
-    as saved). CorruptError if the stored chunks do not tile a tensor."""
-    weights = DcpStepWeights(objects, catalog, step)
+    """Every model tensor of DCP step ``step`` (``description``: its description, parsed),
+    whole, floating ones cast to ``dtype`` (None: as saved). CorruptError if the stored chunks
+    do not tile a tensor."""
+    weights = DcpStepWeights(objects, catalog, step, description)
     return {weight.name: weights.read(weight, dtype) for weight in weights.entries}

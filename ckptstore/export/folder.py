@@ -24,7 +24,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from .. import auxfiles, knobs
 from ..catalog import Catalog
-from ..dcp import is_dcp_step
+from ..dcp import dcp_description
 from ..dcp.weights import DcpStepWeights
 from ..errors import BadInputError, require_int
 from ..materialize import compose, outputs
@@ -78,8 +78,11 @@ def export(
 
     Contract as ``Store.export``; nothing appears at ``out`` unless everything was written.
     """
-    if spec is None and is_dcp_step(catalog.description(require_int(step, "a step", minimum=0))):
-        weights = DcpStepWeights(objects, catalog, step)
+    description = (
+        None if spec is not None else dcp_description(catalog, require_int(step, "a step", minimum=0))
+    )
+    if description is not None:
+        weights = DcpStepWeights(objects, catalog, step, description)
     else:
         weights = StepWeights(objects, catalog, step, spec)
     dtype = parse_dtype(dtype) or weights.training_dtype

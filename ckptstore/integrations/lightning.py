@@ -76,18 +76,19 @@ class StoreModelParallelStrategy(ModelParallelStrategy):
         """Load ``store:<step>`` (or ``store:latest``) into the module and optimizers, as
         Lightning's own load does; returns the rest of the checkpoint for the trainer."""
         step = store_step(checkpoint_path)
+        reader = StoreReader(self.store, step)  # one for every load below: it parses the step once
         module = self.model
         module_state = {"state_dict": get_model_state_dict(module)}
-        dcp.load(module_state, storage_reader=StoreReader(self.store, step))
+        dcp.load(module_state, storage_reader=reader)
         module.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
         options = StateDictOptions(cpu_offload=True)
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
-            dcp.load(optimizer_state, storage_reader=StoreReader(self.store, step))
+            dcp.load(optimizer_state, storage_reader=reader)
             set_optimizer_state_dict(
                 module, optimizer, optim_state_dict=optimizer_state[key], options=options
             )
         rest: dict[str, Any] = {_META: (None,)}
-        dcp.load(rest, storage_reader=StoreReader(self.store, step))
+        dcp.load(rest, storage_reader=reader)
         return rest[_META][0]

@@ -1,0 +1,181 @@
+"""DCP's ``StorageReader`` on a store: ``dcp.load`` reads a store step (``StoreReader``).
+
+``read_metadata`` rebuilds DCP's metadata from the step's description; ``read_data`` fetches
+only the chunks this rank's read plan names (the pack's index, then each entry by a ranged
+read), verifies each against its content key and lets DCP copy and reshard it. A bytes item
+must load weights-only before DCP unpickles it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .. import knobs
+from ..catalog import sync
+from ..errors import BadInputError, CorruptError, NotFoundError, clip, require_int
+from ..model import PackRef
+from . import StoreParts, chunks, is_dcp_step
+from . import metadata as plain_metadata
+
+__all__ = ["StoreReader"]
+
+
+class StoreReader(StorageReader):
+    """DCP's ``StorageReader`` that loads step ``step`` of ``store`` (None: the newest step)
+    into ``dcp.load``'s state, at any world size and sharding (DCP reshards). Raises
+    NotFoundError for a step that does not exist, BadInputError for one a DeepSpeed engine
+    committed, CorruptError (through DCP) for a chunk that does not verify."""
+
+    def __init__(self, store: StoreParts, step: int | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.step = None if step is None else require_int(step, "step", minimum=0)
+        self._where: dict[MetadataIndex, chunks.ChunkLocation] = {}
+        self._read_step: int | None = None
+        # (step, its DCP metadata as plain data, its chunks' locations): see ``_described``.
+        self._described_step: tuple[int, dict, dict] | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """A new load: the step is looked up again."""
+        self._where = {}
+        self._described_step = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """A store step is named by ``StoreReader(store, step)``, never by a checkpoint id."""
+        return False
+
+    def _resolve_step(self) -> int:
+        catalog, objects = self.store.catalog, self.store.objects
+        if self.step is None:
+            sync.sync(catalog, objects)  # a step the coordinator of another process just committed
+            step = catalog.latest_step()
+            if step is None:
+                raise NotFoundError(f"{objects.uri} has no steps yet")
+            return step
+        if not catalog.has_step(self.step):
+            try:
+                sync.import_step(catalog, objects, self.step)
+            except NotFoundError:
+                pass  # named below, with the steps there are
+        return self.step
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata of the step, from its description (no pickle), with where each
+        chunk is stored as its ``storage_data``."""
+        step = self._resolve_step()
+        plain, found = self._described(step)
+        metadata = plain_metadata.from_plain(plain)  # DCP's own, new for every load
+        metadata.storage_data = {
+            MetadataIndex(fqn, None if offsets is None else torch.Size(offsets)): where
+            for (fqn, offsets), where in found.items()
+        }
+        metadata.storage_meta = StorageMeta(checkpoint_id=f"{self.store.objects.uri}@{step}")
+        self._read_step = step
+        return metadata
+
+    def _described(self, step: int) -> tuple[dict, dict]:
+        """Step ``step``'s DCP metadata as plain data and its chunks' locations, from its
+        description: parsed once per reader and step, as every rank calls ``read_metadata`` on
+        every ``dcp.load``, and a Lightning resume loads several times through one reader."""
+        if self._described_step is None or self._described_step[0] != step:
+            description = json.loads(self.store.catalog.description(step))
+            if not is_dcp_step(description):
+                raise BadInputError(
+                    f"step {step} was committed from a DeepSpeed engine, not through DCP: resume it with "
+                    "store.restore(engine, step) or `ckptstore materialize`"
+                )
+            found = chunks.locations(description, self.store.catalog.sources(step), step)
+            self._described_step = (step, description["dcp"], found)
+        return self._described_step[1], self._described_step[2]
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """Take the chunk locations ``read_metadata`` put in the metadata (they may come from
+        another rank's reader)."""
+        self._where = dict(metadata.storage_data or {})
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Nothing to change: every rank reads for itself."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Nothing to change: every rank reads for itself."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Fetch, verify and hand DCP every chunk this rank's plan names."""
+        step = self._read_step if self._read_step is not None else self._resolve_step()
+        wanted: dict[chunks.ChunkLocation, list] = defaultdict(list)
+        for request in plan.items:
+            where = self._where.get(request.storage_index)
+            if where is None:
+                raise CorruptError(f"step {step} has no stored chunk for {request.storage_index.fqn}")
+            wanted[where].append(request)
+        fetcher = chunks.ChunkFetcher(self.store.objects, self.store.catalog, step, wanted)
+        by_pack: dict[str, tuple[PackRef, list[chunks.ChunkLocation]]] = {}
+        for where in wanted:
+            ref = fetcher.pack_of(where)
+            by_pack.setdefault(ref.key, (ref, []))[1].append(where)
+        # A few packs in flight on I/O threads; DCP gets each chunk on this thread, as it is
+        # fetched, so memory holds a few packs' chunks, not the rank's whole share.
+        window = knobs.io_threads()
+        jobs = list(by_pack.values())
+        with ThreadPoolExecutor(window) as pool:
+            pending = [pool.submit(fetcher.fetch_pack, ref, wheres) for ref, wheres in jobs[:window]]
+            for i in range(len(jobs)):
+                for where, tensor in pending[i].result():
+                    for request in wanted[where]:
+                        _deliver(planner, request, tensor)
+                pending[i] = None
+                if i + window < len(jobs):
+                    pending.append(pool.submit(fetcher.fetch_pack, *jobs[i + window]))
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _check_weights_only(raw: bytes, fqn: str) -> None:
+    """CorruptError unless the bytes item ``fqn`` loads with ``torch.load(weights_only=True)``.
+
+    DCP deserializes a bytes item with ``weights_only=False``: whoever can write the store
+    could otherwise run code on every rank that loads. What DCP saves of a state dict (param
+    groups, counters, plain values) loads weights-only, so only a crafted item is refused.
+    """
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the restricted loader is a refusal here
+        raise CorruptError(
+            f"the stored bytes item {fqn} is not a weights-only pickle (it could run code when DCP loads it): "
+            f"{clip(str(exc), 120)}"
+        ) from None
+
+
+def _deliver(planner: LoadPlanner, request: Any, tensor: torch.Tensor) -> None:
+    """Hand one read request its part of a fetched chunk."""
+    if request.type == LoadItemType.BYTE_IO:
+        raw = tensor.numpy().tobytes()
+        _check_weights_only(raw, request.storage_index.fqn)
+        planner.load_bytes(request, io.BytesIO(raw))
+        return
+    part = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)
+    target = planner.resolve_tensor(request).detach()
+    if target.size() != part.size():
+        raise CorruptError(
+            f"the stored chunk of {request.storage_index.fqn} gives {tuple(part.size())}, "
+            f"DCP wants {tuple(target.size())}"
+        )
+    target.copy_(part)
+    planner.commit_tensor(request, target)
