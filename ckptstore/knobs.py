@@ -174,3 +174,8 @@ def local_retry_longest() -> float:
 def local_poll_seconds() -> float:
     """How often the background uploader looks for steps a commit it was not told of left."""
     return _float("LOCAL_POLL_SECONDS", 2.0)
+
+
+def local_wait_ranks() -> float:
+    """Seconds a drain without a timeout waits for other ranks' uploads of a step."""
+    return _float("LOCAL_WAIT_RANKS", 600.0)

@@ -38,6 +38,10 @@ class StoredPacks:
     layers: dict[str, list[tuple[PackRef, list[Entry]]]] = field(default_factory=dict)
     created: dict[str, int] = field(default_factory=dict)
 
+    def object_names(self) -> dict[str, int]:
+        """Every pack these pieces are in (object name -> stored size), created or found."""
+        return {pack_name(ref.key): ref.size for packs in self.layers.values() for ref, _ in packs}
+
     @property
     def tensors(self) -> int:
         """How many tensors (whole or fragments) the packs hold."""

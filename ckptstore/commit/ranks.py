@@ -91,8 +91,8 @@ def each_rank(what: str, fn: Callable[[], T]) -> T:
     return kept[0]
 
 
-def on_rank_zero(what: str, fn: Callable[[], T]) -> T | None:
-    """Run ``fn`` on rank 0 only; every rank returns (rank 0 gets fn's result) or raises together."""
+def on_rank_zero(what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only; every rank returns fn's result (sent to the others) or raises together."""
     rank, size = world()
     if size == 1:
         return fn()
@@ -105,4 +105,4 @@ def on_rank_zero(what: str, fn: Callable[[], T]) -> T | None:
         raise local_error
     if shared[0][0] == "error":
         raise _remote_error(what, 0, shared[0])
-    return outcome[1] if rank == 0 else None
+    return outcome[1] if rank == 0 else shared[0][1]

@@ -85,8 +85,8 @@ def publish(
     record: StepRecord,
     *,
     samples: dict[str, bytes],
-) -> None:
-    """Write ``record``'s manifest, the commit point, then its catalog rows.
+) -> bytes:
+    """Write ``record``'s manifest, the commit point, then its catalog rows; returns the manifest.
 
     The step is committed once the manifest is written; if recording the rows fails after
     that, the error is raised but the step stays committed (the next open lists it).
@@ -103,3 +103,4 @@ def publish(
         )
     # Another process sharing the catalog may have imported the manifest already.
     catalog.record_step(record, samples=samples, if_absent=True)
+    return data

@@ -16,8 +16,9 @@ from typing import Any
 
 from .. import auxfiles, strategies
 from ..catalog import Catalog, sync
-from ..errors import BadInputError
+from ..errors import BadInputError, NotFoundError
 from ..format import config, layerpacks
+from ..format.layout import file_name, manifest_name
 from ..layers import layer_of
 from ..model import FileRow, LayerPacks, Snapshot
 from ..objects import ObjectStore
@@ -88,6 +89,7 @@ class _RankCommit:
         if self.rank_zero:
             self.samples = {name: s for name, s in samples.items() if layer_of(name) in saved}
         files = auxfiles.store(self.objects, self.file_entries) if self.file_entries is not None else None
+        self.objects.note_share(self.step, snapshot.rank, _share_names(stored, files))
         return _RankShare(description if snapshot.rank == 0 else None, snapshot.world_size, stored, files)
 
     def step_files(self, shares: list[_RankShare]) -> list[FileRow]:
@@ -142,11 +144,10 @@ def commit_step(
                 _layer_indexes(step, plan.saved, shares), plan.updates, own.step_files(shares), created,
                 own.metrics,
             )  # fmt: skip
-            publish(objects, catalog, step_record, samples=own.samples)
+            return publish(objects, catalog, step_record, samples=own.samples)
 
-        ranks.on_rank_zero(f"recording step {step}", record)
-        # Ranks on other machines have their own index: add the step rank 0 committed.
-        sync.import_step(catalog, objects, step)
+        manifest = ranks.on_rank_zero(f"recording step {step}", record)
+        _import_committed(catalog, objects, step, manifest)
     return CommitReport(
         step=step,
         layers_saved=plan.saved,
@@ -156,6 +157,26 @@ def commit_step(
         bytes_added=sum(created.values()),
         updates={layer: update for layer, (_, update) in plan.updates.items()},
     )
+
+
+def _import_committed(catalog: Catalog, objects: ObjectStore, step: int, manifest: bytes) -> None:
+    """Add the step rank 0 committed to this rank's index (ranks on other machines have their
+    own). A local tier on another node than rank 0's does not have the manifest yet: it gets
+    the one rank 0 sent, so that this node lists the step and its uploader knows it."""
+    if catalog.is_recorded(step):
+        return
+    try:
+        sync.import_step(catalog, objects, step)
+    except NotFoundError:
+        objects.put_if_absent(manifest_name(step), manifest, single_request=True)
+        sync.import_step(catalog, objects, step)
+
+
+def _share_names(stored: StoredPacks, files: list[FileRow] | None) -> dict[str, int]:
+    """Every object one rank's part of a commit names: its packs and its files (name -> size)."""
+    names = stored.object_names()
+    names.update((file_name(row.key), row.size) for row in files or ())
+    return names
 
 
 def _layer_indexes(step: int, saved: list[str], shares: list[_RankShare]) -> dict[str, LayerPacks]:

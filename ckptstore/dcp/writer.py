@@ -195,6 +195,7 @@ class StoreWriter(StorageWriter):
                 pieces,
                 layer=lambda piece: layer_of_piece[(piece.name, piece.kind, piece.start)],
             )
+            self.store.objects.note_share(self.step, self.rank, stored.object_names())
         results = []
         for layer, packs in stored.layers.items():
             for ref, entries in packs:

@@ -125,6 +125,12 @@ class ObjectStore(abc.ABC):
         By default there are none, so every name is already gone: nothing to do."""
         return None
 
+    def note_share(self, step: int, rank: int, names: dict[str, int]) -> None:
+        """Rank ``rank``'s objects of ``step`` (name -> stored size) are durable here. A local
+        tier keeps the list, so that this node uploads them even when the step's manifest is
+        written on another node's tier; other backends need nothing."""
+        return None
+
 
 def check_name(name: str) -> str:
     """``name`` if it is a valid object name; BadInputError for empty, absolute, ``..``, ``.tmp`` names."""

@@ -11,12 +11,20 @@ plus those only this node has so far.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import NotFoundError
 from . import Data, ObjectInfo, ObjectStore
 from .local import LocalObjectStore
+
+SHARES = "tier/shares/"
+
+
+def share_name(step: int, rank: int) -> str:
+    """Where the local tier lists rank ``rank``'s objects of ``step`` (``note_share``)."""
+    return f"{SHARES}{step:012d}/{rank}.json"
 
 
 class TieredObjectStore(ObjectStore):
@@ -80,6 +88,11 @@ class TieredObjectStore(ObjectStore):
 
     def delete_temporary(self, names: list[str]) -> None:
         self.local.delete_temporary(names)
+
+    def note_share(self, step: int, rank: int, names: dict[str, int]) -> None:
+        name = share_name(step, rank)
+        self.local.delete(name)  # a failed commit of the same step may have left an older list
+        self.local.put_if_absent(name, json.dumps(names, sort_keys=True).encode())
 
     def __repr__(self) -> str:
         return f"TieredObjectStore(local={self.local!r}, remote={self.remote!r})"

@@ -18,10 +18,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import knobs
-from ..errors import CkptStoreError, StorageError
+from ..errors import CkptStoreError, NotFoundError, StorageError
 from ..objects import ObjectStore
 from .prune import PruneReport, prune
-from .upload import StepUpload, local_steps, pending_steps, upload_step, uploaded_steps
+from .upload import (
+    StepUpload,
+    local_steps,
+    pending_shares,
+    pending_steps,
+    upload_share,
+    upload_step,
+    uploaded_steps,
+)
 from .uploader import BackgroundUploader
 
 log = logging.getLogger("ckptstore")
@@ -108,7 +116,7 @@ class Tier:
             return
         self._uploader.stop()
         self._uploader = None
-        if not pending_steps(self.local):
+        if not pending_steps(self.local) and not pending_shares(self.local):
             return
         try:
             self.drain(timeout=None)
@@ -119,9 +127,10 @@ class Tier:
             )  # fmt: skip
 
     def _background_pass(self) -> dict[int, CkptStoreError]:
-        """One background pass: upload what is pending, then prune if anything went up."""
+        """One background pass: upload what is pending, then prune if anything went up; the
+        steps that failed. Steps waiting for other ranks are simply tried on the next pass."""
         report = DrainReport()
-        failed = self._upload_pass(report, None)
+        failed, _ = self._upload_pass(report, None)
         if report.uploaded:
             with self._lock:
                 prune(self.local, self.keep)
@@ -136,13 +145,15 @@ class Tier:
     def pending(self) -> list[PendingStep]:
         """The steps not in the remote store yet, oldest first, with their size and last error."""
         from ..catalog.sync import read_manifest
-        from .upload import object_names
+        from .upload import object_names, read_share
 
-        found = []
+        sizes: dict[int, int] = {}
         for step in pending_steps(self.local):
-            size = sum(object_names(read_manifest(self.local, step)).values())
-            found.append(PendingStep(step, size, self._errors.get(step)))
-        return found
+            sizes[step] = sum(object_names(read_manifest(self.local, step)).values())
+        for step, rank in pending_shares(self.local):  # a node whose tier lacks the manifest
+            if step not in sizes:
+                sizes[step] = sum(read_share(self.local, step, rank).values())
+        return [PendingStep(step, size, self._errors.get(step)) for step, size in sorted(sizes.items())]
 
     def drain(
         self, timeout: float | None = None, *, progress: Callable[[int], None] | None = None
@@ -150,21 +161,28 @@ class Tier:
         """Upload every step the remote lacks, oldest first, then prune the local tier.
 
         Durable in the remote when it returns. ``timeout`` None: one pass (each request with
-        the store's own retries); a number: passes with growing waits between them until every
-        step is up or ``timeout`` seconds have passed. Raises, naming every step not uploaded
-        and why, the error of the first that failed: StorageError (the remote cannot be
-        reached), ConflictError (the remote has another commit of that step), NotFoundError (an
-        object it needs is in neither tier). What is not uploaded stays in the local tier.
+        the store's own retries; in a job of several ranks, waiting up to
+        ``CKPTSTORE_LOCAL_WAIT_RANKS`` seconds for the other ranks' uploads); a number: passes
+        with growing waits between them until every step is up or ``timeout`` seconds have
+        passed. Raises, naming every step not uploaded and why, the error of the first that
+        failed: StorageError (the remote cannot be reached), ConflictError (the remote has
+        another commit of that step), NotFoundError (an object it needs is in neither tier, or
+        other ranks' objects never arrived). What is not uploaded stays in the local tier.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
         report = DrainReport()
         wait = _FIRST_WAIT
         while True:
-            failed = self._upload_pass(report, progress)
-            if not failed:
+            failed, waiting = self._upload_pass(report, progress)
+            if not failed and not waiting:
                 break
-            if deadline is None or time.monotonic() + wait > deadline:
-                raise _failure(failed, self.remote.uri)
+            # Other ranks' objects are on their way (their processes upload them): worth waiting
+            # for even without a timeout, up to CKPTSTORE_LOCAL_WAIT_RANKS seconds.
+            budget = timeout if timeout is not None else (0.0 if failed else knobs.local_wait_ranks())
+            if time.monotonic() + wait > start + budget:
+                raise (
+                    _failure(failed, self.remote.uri) if failed else _still_waiting(waiting, self.remote.uri)
+                )
             time.sleep(random.uniform(wait / 2, wait))
             wait = min(wait * 2, _LONGEST_WAIT)
         with self._lock:
@@ -173,18 +191,51 @@ class Tier:
 
     def _upload_pass(
         self, report: DrainReport, progress: Callable[[int], None] | None
-    ) -> dict[int, CkptStoreError]:
-        """Try every pending step once, oldest first; the steps that failed -> why."""
+    ) -> tuple[dict[int, CkptStoreError], dict[int, list[str]]]:
+        """Try every pending share and step once, oldest first; returns the steps that failed
+        (-> why) and those waiting for other ranks' objects (-> which)."""
         failed: dict[int, CkptStoreError] = {}
+        waiting: dict[int, list[str]] = {}
+        own = _own_ranks()
         with self._lock:
+            for step, rank in pending_shares(self.local):
+                if own is None or rank in own:
+                    try:
+                        upload_share(self.local, self.remote, step, rank, progress=progress)
+                    except CkptStoreError as exc:
+                        failed[step] = exc
             for step in pending_steps(self.local):
+                if step in failed:
+                    continue
                 try:
-                    report.uploaded.append(upload_step(self.local, self.remote, step, progress=progress))
-                    self._errors.pop(step, None)
+                    upload = upload_step(self.local, self.remote, step, ranks=own, progress=progress)
                 except CkptStoreError as exc:
                     failed[step] = exc
-                    self._errors[step] = str(exc)
-        return failed
+                    continue
+                if upload.waiting:
+                    waiting[step] = upload.waiting
+                else:
+                    report.uploaded.append(upload)
+            self._errors = {step: str(exc) for step, exc in failed.items()}
+        return failed, waiting
+
+
+def _own_ranks() -> set[int] | None:
+    """The ranks whose share this process uploads: its own in a job of several ranks (each
+    rank uploads its own), None (whatever the tier holds) in a single process or the CLI."""
+    from ..commit import ranks
+
+    rank, size = ranks.world()
+    return {rank} if size > 1 else None
+
+
+def _still_waiting(waiting: dict[int, list[str]], remote: str) -> NotFoundError:
+    first = min(waiting)
+    return NotFoundError(
+        f"step{'s' if len(waiting) > 1 else ''} {', '.join(map(str, sorted(waiting)))} not uploaded to {remote}: "
+        f"step {first} waits for {len(waiting[first])} objects of other ranks ({waiting[first][0]}, ...) that "
+        "their processes have not uploaded; if they stopped, run `ckptstore drain --local` on their nodes"
+    )
 
 
 def _failure(failed: dict[int, CkptStoreError], remote: str) -> CkptStoreError:

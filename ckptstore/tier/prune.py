@@ -14,7 +14,17 @@ from dataclasses import dataclass
 from ..catalog.sync import read_manifest
 from ..format import layout
 from ..objects import ObjectStore
-from .upload import object_names, pending_steps, uploaded_name, uploaded_steps
+from ..objects.tiered import SHARES
+from .upload import (
+    object_names,
+    pending_shares,
+    pending_steps,
+    read_share,
+    share_lists,
+    share_steps,
+    uploaded_name,
+    uploaded_steps,
+)
 
 
 @dataclass
@@ -27,16 +37,22 @@ class PruneReport:
 
 
 def prune(local: ObjectStore, keep: int) -> PruneReport:
-    """Delete from ``local`` what neither its ``keep`` newest steps nor a step still to upload
-    need. Steps the remote does not have are never touched. Raises what ``local`` raises."""
+    """Delete from ``local`` what neither its ``keep`` newest steps nor a step (or a rank's
+    share of one) still to upload need. Steps the remote does not have are never touched.
+    Raises what ``local`` raises."""
     with local.lock(exclusive=True):
         manifests = layout.list_manifests(local)
-        steps = sorted(manifests.found)
-        pending = set(pending_steps(local))
+        shares = share_steps(local)
+        steps = sorted(set(manifests.found) | shares)
+        pending = set(pending_steps(local)) | {step for step, _ in pending_shares(local)}
         kept = set(steps[-keep:] if keep > 0 else []) | pending
         needed: set[str] = set()
         for step in kept:
-            needed.update(object_names(read_manifest(local, step)))
+            if step in manifests.found:
+                needed.update(object_names(read_manifest(local, step)))
+        for step, rank in share_lists(local):
+            if step in kept:
+                needed.update(read_share(local, step, rank))
         stored = [
             info
             for prefix in (layout.PACKS, layout.BLOBS, layout.FILES)
@@ -49,9 +65,15 @@ def prune(local: ObjectStore, keep: int) -> PruneReport:
             [
                 layout.manifest_name(step, generation)
                 for step in dropped
-                for generation in manifests.generations[step]
+                for generation in manifests.generations.get(step, [])
             ]
         )
         done = uploaded_steps(local)
         local.delete_many([uploaded_name(step) for step in dropped if step in done])
+        local.delete_many([info.name for info in local.list(SHARES) if _share_step(info.name) in dropped])
     return PruneReport(dropped, len(stored), sum(info.size for info in stored))
+
+
+def _share_step(name: str) -> int | None:
+    step = name[len(SHARES) :].partition("/")[0]
+    return int(step) if step.isdigit() else None

@@ -8,20 +8,27 @@ objects already there are found, and the manifest was never written.
 
 The local tier remembers which steps it uploaded (``tier/uploaded/<step>``), so a step a gc
 later dropped from the remote is never uploaded a second time.
+
+In a job of several ranks each rank uploads its own share of a step (the packs and files its
+commit wrote, listed in the tier by ``TieredObjectStore.note_share``), so that no pack goes up
+twice and a node whose tier lacks the manifest still uploads what it holds; the manifest goes
+up from a node that has it once every object it names is in the remote.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import knobs
 from ..catalog.sync import read_manifest
-from ..errors import ConflictError, NotFoundError
+from ..errors import ConflictError, CorruptError, NotFoundError
 from ..format import layout
 from ..model import StepRecord
 from ..objects import ObjectStore
+from ..objects.tiered import SHARES, share_name
 
 UPLOADED = "tier/uploaded/"
 
@@ -53,6 +60,63 @@ def pending_steps(local: ObjectStore) -> list[int]:
     return [step for step in local_steps(local) if step not in done]
 
 
+def share_lists(local: ObjectStore) -> list[tuple[int, int]]:
+    """``(step, rank)`` of every share the local tier lists (uploaded or not), oldest first."""
+    return sorted(_shares(local)[0])
+
+
+def pending_shares(local: ObjectStore) -> list[tuple[int, int]]:
+    """``(step, rank)`` of every share the local tier lists and has not uploaded, oldest first."""
+    found, done = _shares(local)
+    return sorted(found - done)
+
+
+def share_steps(local: ObjectStore) -> set[int]:
+    """The steps the local tier lists a share of (uploaded or not)."""
+    return {step for step, _ in _shares(local)[0]}
+
+
+def _shares(local: ObjectStore) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+    """The shares listed, and those marked uploaded, as ``(step, rank)``."""
+    found, done = set(), set()
+    for info in local.list(SHARES):
+        step, _, leaf = info.name[len(SHARES) :].partition("/")
+        rank, _, kind = leaf.partition(".")
+        if step.isdigit() and rank.isdigit() and kind in ("json", "done"):
+            (found if kind == "json" else done).add((int(step), int(rank)))
+    return found, done
+
+
+def read_share(local: ObjectStore, step: int, rank: int) -> dict[str, int]:
+    """The objects rank ``rank`` stored for ``step`` (name -> size); CorruptError if unreadable."""
+    name = share_name(step, rank)
+    try:
+        names = json.loads(local.get(name))
+    except (ValueError, RecursionError):
+        raise CorruptError(f"{local.uri}/{name} is not a share list") from None
+    if not isinstance(names, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in names.items()
+    ):
+        raise CorruptError(f"{local.uri}/{name} is not a share list")
+    return names
+
+
+def upload_share(
+    local: ObjectStore,
+    remote: ObjectStore,
+    step: int,
+    rank: int,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> StepUpload:
+    """Put every object of rank ``rank``'s share of ``step`` in ``remote`` and mark the share
+    uploaded. Raises as ``upload_step``."""
+    report = StepUpload(step)
+    _copy_all(local, remote, step, read_share(local, step, rank), report, progress)
+    local.put_if_absent(share_name(step, rank).removesuffix(".json") + ".done", b"")
+    return report
+
+
 def object_names(record: StepRecord) -> dict[str, int]:
     """Every object ``record`` names (packs, format-1 blobs, auxiliary files) -> its stored size."""
     names = {layout.pack_name(ref.key): ref.size for index in record.packs.values() for ref in index.packs}
@@ -63,12 +127,14 @@ def object_names(record: StepRecord) -> dict[str, int]:
 
 @dataclass
 class StepUpload:
-    """What uploading one step did: objects copied (and their bytes), objects the remote had."""
+    """What uploading one step did: objects copied (and their bytes), objects the remote had,
+    and the objects of other ranks it waits for (then it published nothing)."""
 
     step: int
     copied: int = 0
     bytes_copied: int = 0
     found: int = 0
+    waiting: list[str] = field(default_factory=list)
 
 
 def upload_step(
@@ -76,42 +142,33 @@ def upload_step(
     remote: ObjectStore,
     step: int,
     *,
+    ranks: set[int] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> StepUpload:
     """Put ``step`` in ``remote``: every object it names, then its manifest; then mark it uploaded.
 
-    Durable in ``remote`` when it returns. ``progress`` is called with the bytes of each object
-    copied. Raises NotFoundError naming the object if neither tier holds one the step needs (a
-    gc on the remote removed it while the step waited), ConflictError if the remote has another
+    Durable in ``remote`` when it returns with nothing ``waiting``. ``ranks``: copy only these
+    ranks' packs (the others' are their own processes' to upload: the step then waits until
+    they are there, and ``waiting`` names them); None copies whatever the local tier holds.
+    ``progress`` is called with the bytes of each object copied. Raises NotFoundError naming the
+    object if neither tier holds one the step needs (a gc on the remote removed it while the
+    step waited, or it is on another node's tier), ConflictError if the remote has another
     commit of ``step``, and what the object stores raise (StorageError when the remote cannot
     be reached): nothing is published then, and uploading again later goes on from there.
     """
     record = read_manifest(local, step)
     report = StepUpload(step)
-
-    def copy(item: tuple[str, int]) -> int | None:
-        name, _ = item
-        if remote.touch(name) is not None:
-            return None
-        try:
-            data = local.get_range(name, 0, local.info(name).size)
-        except NotFoundError:
-            raise NotFoundError(
-                f"step {step} needs {name}, which neither this node's tier nor {remote.uri} holds "
-                "(did a gc remove it while the upload waited? see the README on gc and the local tier)"
-            ) from None
-        remote.put_if_absent(name, data)
-        return memoryview(data).nbytes
-
-    with ThreadPoolExecutor(knobs.io_threads()) as pool:
-        for copied in pool.map(copy, object_names(record).items()):
-            if copied is None:
-                report.found += 1
-            else:
-                report.copied += 1
-                report.bytes_copied += copied
-                if progress is not None:
-                    progress(copied)
+    names = object_names(record)
+    if ranks is not None:
+        owner = {
+            layout.pack_name(ref.key): ref.rank for index in record.packs.values() for ref in index.packs
+        }
+        others = {name for name in names if name in owner and owner[name] not in ranks}
+        report.waiting = sorted(name for name in others if remote.touch(name) is None)
+        if report.waiting:
+            return report
+        names = {name: size for name, size in names.items() if name not in others}
+    _copy_all(local, remote, step, names, report, progress)
     name = layout.manifest_name(step)
     data = local.get(name)
     if not remote.put_if_absent(name, data, single_request=True) and remote.get(name) != data:
@@ -121,3 +178,38 @@ def upload_step(
         )
     local.put_if_absent(uploaded_name(step), b"")
     return report
+
+
+def _copy_all(
+    local: ObjectStore,
+    remote: ObjectStore,
+    step: int,
+    names: dict[str, int],
+    report: StepUpload,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Freshen each of ``names`` the remote has, copy the others from the local tier."""
+
+    def copy(name: str) -> int | None:
+        if remote.touch(name) is not None:
+            return None
+        try:
+            data = local.get_range(name, 0, local.info(name).size)
+        except NotFoundError:
+            raise NotFoundError(
+                f"step {step} needs {name}, which neither this node's tier nor {remote.uri} holds "
+                "(on another node's tier, run `ckptstore drain` there; else a gc removed it while "
+                "the upload waited: see the README on gc and the local tier)"
+            ) from None
+        remote.put_if_absent(name, data)
+        return memoryview(data).nbytes
+
+    with ThreadPoolExecutor(knobs.io_threads()) as pool:
+        for copied in pool.map(copy, names):
+            if copied is None:
+                report.found += 1
+            else:
+                report.copied += 1
+                report.bytes_copied += copied
+                if progress is not None:
+                    progress(copied)
