@@ -102,7 +102,9 @@ def parse_store_spec(rest: str, saving: bool) -> tuple[str, int | None, list[str
 def open_store(uri: str):
     import ckptstore
 
-    return ckptstore.open(uri)
+    # "{rank}" in CKPTSTORE_LOCAL gives each rank a local tier of its own: a node each.
+    local = os.environ.get("CKPTSTORE_LOCAL", "").format(rank=os.environ.get("RANK", "0"))
+    return ckptstore.open(uri, local=local)
 
 
 def parse_storage_spec(spec: str, saving: bool) -> tuple[str, Any, int | None, list[str] | None]:

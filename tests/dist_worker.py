@@ -350,6 +350,36 @@ def s3_machines(root: Path) -> dict:
     return seen
 
 
+def tiered_nodes(root: Path) -> dict:
+    """Each rank on a node of its own (own catalog cache, own local tier) in front of the S3 store
+    named by $CKPTSTORE_STORE: commit step 2, then step 3 (non-blocking), drain, and check the
+    bucket from a fresh cache with no tier."""
+    import ckptstore
+    from ckptstore.catalog.sync import read_manifest
+    from ckptstore.format.layout import pack_name
+
+    uri = os.environ["CKPTSTORE_STORE"]
+    os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-rank{rank()}")
+    store = ckptstore.open(uri, local=root / f"nvme-rank{rank()}")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=3)
+    train(engine, DATA[:2])
+    store.commit(engine, step=2)
+    seen = {"locations_after_commit": store.locations()}  # both nodes list the step
+    train(engine, DATA[2:3])
+    store.commit(engine, step=3, blocking=False).result()
+    store.drain()
+    seen["pending"] = [p.step for p in store.pending()]
+    record = read_manifest(store.tier.local, 2)
+    refs = [ref for index in record.packs.values() for ref in index.packs]
+    seen["ranks_of_local_packs"] = sorted({r.rank for r in refs if store.tier.local.exists(pack_name(r.key))})
+    store.close()
+    barrier()
+    os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-fresh-rank{rank()}")
+    fresh = ckptstore.open(uri, local="")
+    seen.update(bucket_steps=fresh.steps(), wrong=matches_store(engine, fresh, 3))
+    return seen
+
+
 def export(root: Path) -> dict:
     """Commit step 2 of bf16 Llama and GPT-2 engines at ZeRO 2 and 3, and save it with DeepSpeed too."""
     import ckptstore
@@ -475,7 +505,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking, "export": export, "restore": restore_across_sizes, "restore_fail": restore_failing_rank}  # fmt: skip
+             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking, "export": export, "restore": restore_across_sizes, "restore_fail": restore_failing_rank, "tiered": tiered_nodes}  # fmt: skip
     out = modes[mode](root)
     Path(f"{result}.{rank()}.json").write_text(json.dumps(out))
     barrier()

@@ -342,3 +342,41 @@ def test_non_blocking_commits_and_dcp_saves_land_in_the_tier_and_drain_like_any_
         dcp.load(loaded, storage_reader=StoreReader(elsewhere, step=3), no_dist=True)
         assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
     assert bucket_steps(s3) == [1]
+
+
+def test_two_ranks_on_two_nodes_each_upload_their_own_share_and_the_step_lands_whole(
+    s3, tmp_path, monkeypatch
+):
+    from tests.test_many_ranks import torchrun
+
+    monkeypatch.setenv("CKPTSTORE_STORE", s3.uri())  # the torchrun children inherit the endpoint too
+    for rank, observed in enumerate(torchrun("tiered", tmp_path)):
+        assert observed["locations_after_commit"] == {"2": "local"}, rank  # rank 1's node got the manifest
+        assert observed["pending"] == [], rank
+        assert observed["ranks_of_local_packs"] == [rank], rank  # each node holds (and sent) its own packs
+        assert observed["bucket_steps"] == [2, 3], rank
+        assert observed["wrong"] == [], rank  # the bucket holds exactly each rank's state
+    assert ckptstore.open(s3.uri(), local="").verify().ok
+
+
+def test_a_dcp_save_on_two_nodes_is_uploaded_by_each_node_and_published_by_rank_zeros(
+    s3, tmp_path, monkeypatch, run
+):
+    from tests.dcp_runs import assert_same_state, load, run_job
+
+    monkeypatch.setenv("CKPTSTORE_LOCAL", str(tmp_path / "nvme-{rank}"))  # a node per rank
+    monkeypatch.setenv("CKPTSTORE_LOCAL_UPLOAD", "drain")  # nothing goes up until the drains below
+    spec = f"store:{s3.uri()}:3"
+    run_job(["train-save", "--steps", 3, "--save", spec, "--dump", tmp_path / "saved.pt"], 2, tmp_path)
+    assert bucket_steps(s3) == []
+    node1 = run("--local", tmp_path / "nvme-1", "drain")  # rank 1's node: its packs, not the manifest
+    assert node1.returncode == 0 and "uploaded rank 1's share of step 3" in node1.stdout, node1
+    assert bucket_steps(s3) == [] and s3.keys("run/packs/")
+    node0 = run("--local", tmp_path / "nvme-0", "drain")
+    assert node0.returncode == 0 and "uploaded step 3" in node0.stdout, node0
+    assert bucket_steps(s3) == [3]
+
+    monkeypatch.delenv("CKPTSTORE_LOCAL")
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache-elsewhere"))
+    run_job(["dump-full", "--load", spec, "--out", tmp_path / "loaded.pt"], None, tmp_path)
+    assert assert_same_state(load(tmp_path / "saved.pt"), load(tmp_path / "loaded.pt")) > 0

@@ -51,5 +51,11 @@ def drain(ctx: click.Context, timeout: float | None, as_json: bool) -> None:
         else:
             click.echo(f"uploaded step {step.step} to {uri}: {step.copied} objects ({human(step.bytes_copied)}) "
                        f"copied, {step.found} already there")  # fmt: skip
-    if not report.uploaded and not as_json:
+    published = {step.step for step in report.uploaded}
+    for rank, share in report.shares:
+        if share.step in published or as_json:
+            continue  # said with its step
+        click.echo(f"uploaded rank {rank}'s share of step {share.step}: {share.copied} objects "
+                   f"({human(share.bytes_copied)}) copied; the node holding its manifest publishes it")  # fmt: skip
+    if not report.uploaded and not report.shares and not as_json:
         click.echo(f"nothing to upload: {uri} has every step of the tier")

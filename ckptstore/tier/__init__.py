@@ -55,12 +55,14 @@ class DrainReport:
     """What a drain uploaded, and what it then pruned from the local tier."""
 
     uploaded: list[StepUpload] = field(default_factory=list)
+    # ranks' shares of steps whose manifest another node's tier holds (rank -> what went up)
+    shares: list[tuple[int, StepUpload]] = field(default_factory=list)
     pruned: PruneReport | None = None
 
     @property
     def bytes_copied(self) -> int:
         """Bytes sent to the remote store."""
-        return sum(step.bytes_copied for step in self.uploaded)
+        return sum(step.bytes_copied for step in [*self.uploaded, *(share for _, share in self.shares)])
 
 
 class Tier:
@@ -201,7 +203,9 @@ class Tier:
             for step, rank in pending_shares(self.local):
                 if own is None or rank in own:
                     try:
-                        upload_share(self.local, self.remote, step, rank, progress=progress)
+                        report.shares.append(
+                            (rank, upload_share(self.local, self.remote, step, rank, progress=progress))
+                        )
                     except CkptStoreError as exc:
                         failed[step] = exc
             for step in pending_steps(self.local):
