@@ -7,12 +7,13 @@ store with a local tier (``local=``) in the tier's directory.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from . import knobs
 from .catalog import sync
-from .errors import BadInputError, require_int
+from .errors import BadInputError, CkptStoreError, StorageError, require_int
 from .format.config import ensure_config
 from .format.layout import CONFIG
 from .objects import ObjectStore, open_objects
@@ -21,6 +22,8 @@ from .objects.tiered import TieredObjectStore
 from .store import Store
 from .tier import Tier
 from .tier.pairing import REMOTE, pair, paired_remote
+
+log = logging.getLogger("ckptstore")
 
 
 def open(  # noqa: A001 - the public name
@@ -53,14 +56,21 @@ def open(  # noqa: A001 - the public name
     Raises NotFoundError if the store (or its bucket) does not exist and ``create`` is false,
     UnsupportedError if it was written by a newer ckptstore format, StorageError if the
     storage cannot be reached or refuses access, BadInputError for a ``local`` directory that
-    is the store itself, fronts another store or is a store of its own.
+    is the store itself, fronts another store or is a store of its own. A local tier that has
+    fronted the store before opens even while the store cannot be reached: its steps and those
+    of the store it knew are listed, commits land in the tier, and uploads wait for the store.
     """
-    objects = _open_objects(uri, create=create, endpoint_url=endpoint_url)
     local = knobs.local_tier() if local is None else os.fspath(local)
+    offline = False
+    try:
+        objects = _open_objects(uri, create=create, endpoint_url=endpoint_url)
+    except StorageError as exc:
+        objects = _unreachable_remote(uri, local, endpoint_url, exc)
+        offline = True
     if not local:
         return Store(objects, sync.open_catalog(objects))
     tiered, tier = _open_tier(
-        objects, local, endpoint_url,
+        objects, local, endpoint_url, offline=offline,
         keep=knobs.local_keep() if local_keep is None else local_keep,
         max_bytes=knobs.local_max_bytes() if local_max_bytes is None else local_max_bytes,
     )  # fmt: skip
@@ -103,7 +113,7 @@ def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | N
     if not uri:
         raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
     objects = open_objects(uri, create=create, endpoint_url=endpoint_url)
-    if objects.exists(REMOTE):
+    if getattr(objects, "root", None) is not None and objects.exists(REMOTE):
         remote, _ = paired_remote(objects)
         raise BadInputError(
             f"{objects.uri} is the local tier of {remote}: open {remote} with local={objects.uri}"
@@ -112,8 +122,34 @@ def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | N
     return objects
 
 
+def _unreachable_remote(
+    uri: str | os.PathLike, local: str, endpoint_url: str | None, error: StorageError
+) -> ObjectStore:
+    """The store at ``uri``, unchecked, when it cannot be reached but the local tier ``local``
+    has fronted it before (training goes on into the tier); else ``error`` is raised."""
+    if not (local and error.transient):
+        raise error
+    remote = open_objects(os.fspath(uri), endpoint_url=endpoint_url, check=False)
+    try:
+        fronted, _ = paired_remote(LocalObjectStore(local, create=False))
+    except CkptStoreError:
+        raise error from None
+    if fronted != remote.uri:
+        raise error
+    log.warning(
+        "ckptstore: %s cannot be reached (%s); committing to the local tier %s", remote.uri, error, local
+    )
+    return remote
+
+
 def _open_tier(
-    remote: ObjectStore, path: str, endpoint_url: str | None, *, keep: Any, max_bytes: Any
+    remote: ObjectStore,
+    path: str,
+    endpoint_url: str | None,
+    *,
+    keep: Any,
+    max_bytes: Any,
+    offline: bool = False,
 ) -> tuple[TieredObjectStore, Tier]:
     """The local tier at ``path`` in front of ``remote``, paired with it."""
     keep = require_int(keep, "local_keep", minimum=0)
@@ -127,4 +163,5 @@ def _open_tier(
         )
     pair(local, remote.uri, endpoint_url)
     ensure_config(local, create=True)
-    return TieredObjectStore(local, remote), Tier(local, remote, keep=keep, max_bytes=max_bytes)
+    tier = Tier(local, remote, keep=keep, max_bytes=max_bytes, remote_checked=not offline)
+    return TieredObjectStore(local, remote, offline=offline), tier

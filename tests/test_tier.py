@@ -380,3 +380,34 @@ def test_a_dcp_save_on_two_nodes_is_uploaded_by_each_node_and_published_by_rank_
     monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache-elsewhere"))
     run_job(["dump-full", "--load", spec, "--out", tmp_path / "loaded.pt"], None, tmp_path)
     assert assert_same_state(load(tmp_path / "saved.pt"), load(tmp_path / "loaded.pt")) > 0
+
+
+def test_a_job_restarted_during_an_outage_opens_on_its_tier_and_commits_on(
+    s3, node, monkeypatch, engine, caplog
+):
+    from tools.netproxy import Proxy
+
+    nvme = node("a")
+    with Proxy.for_endpoint(s3.endpoint) as link:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", link.endpoint)
+        monkeypatch.setenv("CKPTSTORE_S3_MAX_ATTEMPTS", "1")
+        with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
+            store.commit(engine, 1)
+            store.drain()
+        link.cut()  # S3 goes away; the job restarts
+        with pytest.raises(StorageError):
+            ckptstore.open(s3.uri(), local="")  # without a tier there is nothing to work on
+        with pytest.raises(StorageError):
+            ckptstore.open(s3.uri(), local=node("fresh"))  # a tier that never fronted the store
+        store = ckptstore.open(s3.uri(), local=nvme, local_upload="drain")
+        assert "cannot be reached" in caplog.text
+        assert store.steps() == [1]  # what S3 had is still listed
+        train(engine, DATA[:1])
+        store.commit(engine, 2)
+        assert store.locations() == {1: "both", 2: "local"}
+        with pytest.raises(StorageError, match="step 2 not uploaded"):
+            store.drain()
+        link.restore()
+        store.drain()
+        store.close()
+    assert bucket_steps(s3) == [1, 2]

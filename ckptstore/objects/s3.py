@@ -88,7 +88,9 @@ def _create_only(params: dict, **_: Any) -> None:
 class S3ObjectStore(ObjectStore):
     """An ObjectStore over a key prefix of an existing S3 bucket."""
 
-    def __init__(self, uri: str, *, create: bool = True, endpoint_url: str | None = None) -> None:
+    def __init__(
+        self, uri: str, *, create: bool = True, endpoint_url: str | None = None, check: bool = True
+    ) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.client = self._new_client(endpoint_url)
@@ -105,7 +107,8 @@ class S3ObjectStore(ObjectStore):
             max_concurrency=knobs.s3_part_threads(),
             preferred_transfer_client="classic",  # the hook above lives on this client
         )
-        self._open(create)
+        if check:  # False: a local tier opens while S3 cannot be reached, and checks later
+            self._open(create)
 
     @staticmethod
     def _new_client(endpoint_url: str | None):

@@ -30,16 +30,22 @@ def share_name(step: int, rank: int) -> str:
 class TieredObjectStore(ObjectStore):
     """``local`` (a node-local directory) in front of ``remote`` (the store itself, usually S3)."""
 
-    #: The catalog lives in the local tier but is this node's own, like an S3 store's cache: a
-    #: step whose manifest is gone from both tiers was dropped by a gc elsewhere.
-    private_catalog = True
-
-    def __init__(self, local: LocalObjectStore, remote: ObjectStore) -> None:
+    def __init__(self, local: LocalObjectStore, remote: ObjectStore, *, offline: bool = False) -> None:
         self.local = local
         self.remote = remote
+        #: The remote could not be reached when the store was opened: listings are the local
+        #: tier's alone, and the catalog keeps the remote's steps it already knew.
+        self.offline = offline
         self.uri = remote.uri
         # The catalog file and the refusal to write outputs into the store follow the local tier.
         self.root: Path = local.root
+
+    @property
+    def private_catalog(self) -> bool:
+        """The catalog lives in the local tier but is this node's own, like an S3 store's cache:
+        a step whose manifest is gone from both tiers was dropped by a gc elsewhere. Offline,
+        the remote's manifests are not listed, so its steps are kept as they were."""
+        return not self.offline
 
     def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
         """Store ``data`` on the local tier (durable there when it returns); uploads come later."""
@@ -78,8 +84,9 @@ class TieredObjectStore(ObjectStore):
         return self.local.lock(exclusive=exclusive)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object either tier has, once each (the local copy's info where both do)."""
-        found = {info.name: info for info in self.remote.list(prefix)}
+        """Every object either tier has, once each (the local copy's info where both do);
+        offline, the local tier's."""
+        found = {} if self.offline else {info.name: info for info in self.remote.list(prefix)}
         found.update((info.name, info) for info in self.local.list(prefix))
         yield from (found[name] for name in sorted(found))
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .. import knobs
 from ..errors import CkptStoreError, NotFoundError, StorageError
+from ..format.config import ensure_config
 from ..objects import ObjectStore
 from .prune import PruneReport, prune
 from .upload import (
@@ -72,9 +73,20 @@ class Tier:
     ``max_bytes``: past this many bytes of steps not uploaded yet, a commit waits (0: never).
     """
 
-    def __init__(self, local: ObjectStore, remote: ObjectStore, *, keep: int, max_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        local: ObjectStore,
+        remote: ObjectStore,
+        *,
+        keep: int,
+        max_bytes: int = 0,
+        remote_checked: bool = True,
+    ) -> None:
         self.local = local
         self.remote = remote
+        # False when the store was opened while it could not be reached: its config is checked
+        # (and, for a new store, written) before the first upload.
+        self._remote_checked = remote_checked
         self.keep = keep
         self.max_bytes = max_bytes
         self._lock = threading.Lock()  # one upload pass at a time in this process
@@ -200,6 +212,14 @@ class Tier:
         waiting: dict[int, list[str]] = {}
         own = _own_ranks()
         with self._lock:
+            if not self._remote_checked:
+                try:
+                    ensure_config(self.remote, create=True)
+                    self._remote_checked = True
+                except CkptStoreError as exc:
+                    failed = {step: exc for step in pending_steps(self.local)} or {-1: exc}
+                    self._errors = {step: str(exc) for step in failed}
+                    return failed, waiting
             for step, rank in pending_shares(self.local):
                 if own is None or rank in own:
                     try:
