@@ -179,3 +179,9 @@ def local_poll_seconds() -> float:
 def local_wait_ranks() -> float:
     """Seconds a drain without a timeout waits for other ranks' uploads of a step."""
     return _float("LOCAL_WAIT_RANKS", 600.0)
+
+
+def readahead_bytes() -> int:
+    """Bytes of pack entries a reader that reads whole steps may fetch ahead of being asked
+    for them (coalesced into few requests a pack); past it, entries are read one by one."""
+    return _int("READAHEAD_BYTES", 128 * 1024 * 1024)

@@ -217,3 +217,31 @@ def test_manifests_are_written_in_one_request_even_past_the_multipart_threshold(
     etag = {key: s3.client.head_object(Bucket=s3.bucket, Key=key)["ETag"] for key in s3.keys("run/")}
     assert "-" not in etag["run/" + manifest_name(1)]
     assert all("-" in tag for key, tag in etag.items() if key.startswith("run/packs/"))
+
+
+def test_a_fresh_node_materializes_and_exports_with_at_most_two_requests_a_pack(s3, machine, tmp_path):
+    store = ckptstore.open(s3.uri())
+    # Layers of about 1 MB a pack: their entries lie past the first read of the pack (64 KiB).
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2, hidden=96)
+    train(engine, DATA[:1])
+    store.commit(engine, step=1)
+    store.close()
+
+    machine("fresh")
+    with ckptstore.open(s3.uri(), create=False) as fresh:
+        gets = []
+        fresh.objects.client.meta.events.register(
+            "before-send.s3.GetObject", lambda request, **kwargs: gets.append(request.url)
+        )
+        fresh.materialize(1, tmp_path / "out")
+        packs = {ref.key for index in fresh.catalog.layer_packs(1) for ref in index.packs}
+        pack_gets = [url for url in gets if "/packs/" in url]
+        assert len(pack_gets) <= 2 * len(packs), (len(pack_gets), len(packs))
+        assert len(gets) - len(pack_gets) <= 5, [url for url in gets if "/packs/" not in url]
+        gets.clear()
+        fresh.export(1, tmp_path / "hf")
+        assert len([url for url in gets if "/packs/" in url]) <= 2 * len(packs)
+    print(f"materialize: {len(pack_gets)} GETs for {len(packs)} packs")
+    resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=9, num_layers=2, hidden=96)
+    resumed.load_checkpoint(str(tmp_path / "out"))
+    assert matches_store(resumed, ckptstore.open(s3.uri(), create=False), 1) == []

@@ -20,7 +20,7 @@ from ..catalog import Catalog
 from ..errors import CorruptError
 from ..format import codec, pack
 from ..format.layout import pack_name
-from ..materialize.reader import entry_in_head, fetch_pack_head
+from ..materialize.reader import coalesce, entry_in_head, fetch_pack_head
 from ..model import NUMEL, PACK, START, PackRef
 from ..objects import ObjectStore
 from . import item_names
@@ -122,8 +122,8 @@ class ChunkFetcher:
         self, ref: PackRef, wanted: list[ChunkLocation]
     ) -> list[tuple[ChunkLocation, torch.Tensor]]:
         """The chunks ``wanted`` of pack ``ref``, decoded and verified: flat for a bytes item,
-        in their box otherwise. Neighbouring entries come in one ranged read (``_spans``), so a
-        reader of a whole pack makes two requests (its head, its body). CorruptError naming
+        in their box otherwise. Neighbouring entries come in one ranged read, so a
+        reader of a whole pack makes two requests (its head, its body; ``coalesce``). CorruptError naming
         step, layer and pack."""
         source, layer = wanted[0].source, wanted[0].layer
         try:
@@ -137,7 +137,7 @@ class ChunkFetcher:
                 {entry.offset: entry for _, entry, data in located if data is None}.values(),
                 key=lambda e: e.offset,
             )
-            for start, end, members in _spans(missing):
+            for start, end, members in coalesce(missing):
                 body = memoryview(self.objects.get_range(pack_name(ref.key), start, end - start))
                 for entry in members:
                     fetched[entry.offset] = body[entry.offset - start :]
@@ -167,22 +167,3 @@ class ChunkFetcher:
                 f"the chunk of {where.name} {where.kind} holds {tensor.numel()} elements, its box {list(where.sizes)}"
             )
         return tensor.reshape(where.sizes)
-
-
-# Entries this close are read together (the gap is read and dropped), up to a span this long.
-_GAP = 1 << 20
-_SPAN = 64 << 20
-
-
-def _spans(entries: list) -> list[tuple[int, int, list]]:
-    """``(start, end, entries)`` byte ranges covering ``entries`` (sorted by offset): neighbours
-    within ``_GAP`` of each other share a range of at most ``_SPAN`` (or one entry's length)."""
-    spans: list[tuple[int, int, list]] = []
-    for entry in entries:
-        end = entry.offset + entry.length
-        if spans and entry.offset - spans[-1][1] <= _GAP and end - spans[-1][0] <= _SPAN:
-            start, _, members = spans[-1]
-            spans[-1] = (start, end, [*members, entry])
-        else:
-            spans.append((entry.offset, end, [entry]))
-    return spans

@@ -69,7 +69,9 @@ class StepWeights:
         trainable = [p for p in params.values() if p["trainable"]] or list(params.values())
         self.training_dtype = DTYPES[trainable[0]["dtype"]] if trainable else torch.float32
         only = {(w.name, w.kind) for w in self.entries}
-        self._reader = step_reader(objects, catalog, self.step, description, sources, only=only)
+        self._reader = step_reader(
+            objects, catalog, self.step, description, sources, only=only, readahead=True
+        )
 
     def read(self, weight: Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor of ``weight``, floating point cast to ``dtype`` (default: as stored, fp32

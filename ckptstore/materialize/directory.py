@@ -52,7 +52,7 @@ def materialize(
     files = catalog.files(step)
     auxfiles.check_rows(files, step)
     check_tag(tag, files)
-    tensors = step_reader(objects, catalog, step, description, sources)
+    tensors = step_reader(objects, catalog, step, description, sources, readahead=True)
 
     staging = outputs.staging_dir(out)
     try:
@@ -98,9 +98,11 @@ def step_reader(
     description: dict,
     sources: dict[str, int] | None = None,
     only: Collection[tuple[str, str]] | None = None,
+    readahead: bool = False,
 ) -> StepReader:
     """A lazy reader of every tensor ``step`` needs (or the layers ``sources`` maps to steps),
-    or of the ``(name, kind)`` tensors in ``only``."""
+    or of the ``(name, kind)`` tensors in ``only``; ``readahead`` for a caller that reads every
+    one of them (``StepReader``)."""
     sources = catalog.sources(step) if sources is None else sources
     packs = [
         index
@@ -119,4 +121,4 @@ def step_reader(
             f"the catalog has no tensors for layers {', '.join(sorted(missing_layers))} of step {step}"
         )
     sizes = catalog.blob_sizes(row.blob for row in rows)
-    return StepReader(objects, description["params"], rows, sizes, step, packs, only)
+    return StepReader(objects, description["params"], rows, sizes, step, packs, only, readahead)

@@ -3,9 +3,16 @@
 Materializing streams: the writer asks for one parameter's tensors at a time, from several
 threads, and drops them once written, so memory holds a few parameters, never the model.
 A layer stored in packs (format 2) is read entry by entry: each pack's index is fetched once
-(its first bytes) and kept until the last of its entries is read, and each tensor is one
-ranged read of its own bytes. A format-1 blob that several tensors share (identical layer
-norms, say) is fetched and verified once and kept only until its last user has it.
+(its first bytes) and kept until the last of its entries is read. A reader that reads every
+entry it was built for (``readahead``: materialize, export, state_dict) from a store across a
+network fetches, at the first entry of a pack it needs, every entry of that pack it will read,
+neighbours in one ranged read (``coalesce``), so a pack costs two requests however many
+tensors it holds; the bytes wait, each entry's apart, until read, within
+``CKPTSTORE_READAHEAD_BYTES`` (past it, entries are read one by one). Otherwise (a local store,
+whose ranged reads are mapped, and restore, which reads only a rank's share) each tensor is
+one ranged read of its own bytes. Every entry is verified as it is decoded, however it was
+fetched. A format-1 blob that several tensors share (identical layer norms, say) is fetched
+and verified once and kept only until its last user has it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,24 @@ T = TypeVar("T")
 # The first read of a pack asks for this much, which holds the index of any pack of a few
 # hundred tensors; a longer index takes a second read.
 _HEAD_GUESS = 64 * 1024
+
+# Entries this close are read together (the gap is read and dropped), up to a span this long.
+_GAP = 1 << 20
+_SPAN = 64 << 20
+
+
+def coalesce(entries: list[pack.Entry]) -> list[tuple[int, int, list[pack.Entry]]]:
+    """``(start, end, entries)`` byte ranges covering ``entries`` (sorted by offset): neighbours
+    within ``_GAP`` of each other share a range of at most ``_SPAN`` (or one entry's length)."""
+    spans: list[tuple[int, int, list]] = []
+    for entry in entries:
+        end = entry.offset + entry.length
+        if spans and entry.offset - spans[-1][1] <= _GAP and end - spans[-1][0] <= _SPAN:
+            start, _, members = spans[-1]
+            spans[-1] = (start, end, [*members, entry])
+        else:
+            spans.append((entry.offset, end, [entry]))
+    return spans
 
 
 def fetch_blob(
@@ -146,9 +171,12 @@ class StepReader:
         step: int,
         packs: Iterable[LayerPacks] = (),
         only: Collection[tuple[str, str]] | None = None,
+        readahead: bool = False,
     ) -> None:
         self.params = params
         self.step = step
+        # A local read maps the range: one request per entry costs nothing to coalesce away.
+        readahead = readahead and not objects.reads_are_local
         self._objects = objects
         self._sizes = sizes
         self.rows: dict[tuple[str, str], list[TensorRow]] = defaultdict(list)
@@ -164,6 +192,12 @@ class StepReader:
         # (name, kind) -> (dtype, fragment rows, the layer's index) of format-2 layers
         self._packed: dict[tuple[str, str], tuple[str, np.ndarray, LayerPacks]] = {}
         pack_uses: Counter[str] = Counter()
+        # readahead: pack -> the entries this reader will read from it; what was fetched ahead
+        self._wanted: dict[str, set[tuple[str, str, int]]] = defaultdict(set)
+        self._ahead: dict[tuple[str, str, str, int], bytes] = {}
+        self._ahead_bytes = 0
+        self._ahead_lock = threading.Lock()
+        self._pack_locks: dict[str, threading.Lock] = {}
         self._pack_layer: dict[str, LayerPacks] = {}
         self._refs: dict[str, PackRef] = {}
         for index in packs:
@@ -175,6 +209,12 @@ class StepReader:
                 name, kind, _ = index.tensors[t]
                 self._packed[(name, kind)] = (*by_tensor[(name, kind)], index)
             fragments = index.fragments[np.isin(index.fragments[:, TENSOR], read)]
+            if readahead:
+                for row in fragments:
+                    name, kind, _ = index.tensors[int(row[TENSOR])]
+                    key = index.packs[int(row[PACK])].key
+                    self._wanted[key].add((name, kind, int(row[START])))
+                    self._pack_locks.setdefault(key, threading.Lock())
             counts = np.bincount(fragments[:, PACK], minlength=len(index.packs))
             for ref, count in zip(index.packs, counts, strict=True):
                 pack_uses[ref.key] += int(count)
@@ -238,13 +278,63 @@ class StepReader:
                         tensor = pack.decode_entry(in_head, entry, raw_size)
                 else:
                     tensor = self._read(
-                        partial(self._objects.get_range, pack_name(ref.key), entry.offset, entry.length),
+                        partial(self._entry_bytes, ref.key, head, entry, (name, kind, int(row[START]))),
                         partial(pack.decode_entry, entry=entry, raw_size=raw_size),
                     )
                 if tensor.numel() != row[NUMEL]:
                     raise CorruptError(f"its {name} {kind} has {tensor.numel()} elements, not {row[NUMEL]}")
             out.append((int(row[START]), tensor))
         return out
+
+    def _entry_bytes(self, key: str, head: tuple, entry: pack.Entry, which: tuple[str, str, int]) -> bytes:
+        """The stored bytes of ``entry`` (``which`` = name, kind, start) of pack ``key``: fetched
+        ahead with the pack's other wanted entries (readahead), or by a ranged read of its own."""
+        if key in self._pack_locks:
+            # Another thread's read-ahead of this pack may be under way: its entries are there after.
+            with self._pack_locks[key]:
+                wanted = self._wanted.pop(key, None)
+                if wanted is not None:
+                    self._read_ahead(key, head, wanted)
+        with self._ahead_lock:
+            data = self._ahead.pop((key, *which), None)
+            if data is not None:
+                self._ahead_bytes -= len(data)
+                return data
+        return self._objects.get_range(pack_name(key), entry.offset, entry.length)
+
+    def _read_ahead(self, key: str, head: tuple, wanted: set[tuple[str, str, int]]) -> None:
+        """Fetch every entry of pack ``key`` in ``wanted`` that its head does not hold, in
+        coalesced ranged reads, and keep each entry's bytes until read; nothing when they would
+        take the kept bytes past ``CKPTSTORE_READAHEAD_BYTES`` (then each is read alone)."""
+        index, first_bytes = head
+        entries = {
+            (e.offset, e.length): (which, e) for which in wanted if (e := index.get(which)) is not None
+        }
+        missing = sorted(
+            (e for _, e in entries.values() if e.offset + e.length > len(first_bytes)), key=lambda e: e.offset
+        )
+        total = sum(e.length for e in missing)
+        with self._ahead_lock:
+            if not missing or self._ahead_bytes + total > knobs.readahead_bytes():
+                return
+            self._ahead_bytes += total  # reserved before the reads, so threads keep within it
+        which_of = {(e.offset, e.length): which for which, e in entries.values()}
+        fetched = {}
+        try:
+            for start, end, members in coalesce(missing):
+                body = memoryview(self._objects.get_range(pack_name(key), start, end - start))
+                for e in members:
+                    # A copy each, so that the span is freed as its entries are read.
+                    fetched[(key, *which_of[(e.offset, e.length)])] = bytes(
+                        body[e.offset - start : e.offset - start + e.length]
+                    )
+        except BaseException:
+            with self._ahead_lock:
+                self._ahead_bytes -= total
+            raise
+        with self._ahead_lock:
+            self._ahead.update(fetched)
+            self._ahead_bytes -= total - sum(len(data) for data in fetched.values())
 
     def _fetch(self, key: str) -> torch.Tensor:
         row = self._where[key]
@@ -300,7 +390,7 @@ class StepReader:
         with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
             entry, data = entry_in_head(head, name, kind, start)
             if data is None:
-                data = self._objects.get_range(pack_name(ref.key), entry.offset, entry.length)
+                data = self._entry_bytes(ref.key, head, entry, (name, kind, start))
             with self._cpu:
                 pack.decode_entry_into(data, entry, out)
         return True
