@@ -110,6 +110,27 @@ def test_an_object_given_as_a_list_of_buffers_is_their_concatenation(backend):
     assert backend.objects.get("blobs/ab/bigparts") == b"".join(big)
 
 
+def test_parts_spilled_to_a_file_are_copied_from_it_small_or_multipart(backend, tmp_path):
+    # A commit spills each pack's blobs to a file and stores head + FileRange: every backend
+    # copies the range (from its offset, no further than its length) without joining it first.
+    import tempfile
+
+    from ckptstore.objects import FileRange
+
+    body = bytes(range(256)) * (7 * MIB // 256)  # past the multipart threshold, two parts
+    with tempfile.TemporaryFile(dir=tmp_path) as spill:
+        spill.write(b"junk" + body + b"more junk")
+        spill.flush()
+        small = [b"head", FileRange(spill.fileno(), 4, 1000), b"tail"]
+        assert backend.objects.put_if_absent("packs/ab/small", small) is True
+        assert backend.objects.get("packs/ab/small") == b"head" + body[:1000] + b"tail"
+        big = [b"head", FileRange(spill.fileno(), 4, len(body))]
+        assert backend.objects.put_if_absent("packs/ab/big", big) is True
+        assert backend.objects.get("packs/ab/big") == b"head" + body
+        assert backend.objects.put_if_absent("packs/ab/big", big) is False
+        assert backend.objects.info("packs/ab/big").size == 4 + len(body)
+
+
 def test_a_range_of_an_object_is_read_alone(backend):
     data = bytes(range(256)) * 8
     backend.objects.put_if_absent("packs/p", data)

@@ -135,19 +135,29 @@ class SnapshotGate:
         self._hooks.clear()
 
 
-def lower_thread_priority() -> None:
+def lower_thread_priority(base: int | None = None) -> None:
     """Make the calling thread yield the CPU to the training loop (Linux: a per-thread nice).
 
     A non-blocking commit hashes and compresses on the host while training runs; on a busy
-    host it should use idle cores, not slow the training step. Best effort: where threads
+    host it should use idle cores, not slow the training step. ``base``: the training
+    thread's niceness (``thread_niceness``), for a thread started by an already lowered one,
+    which inherits its niceness and must not be lowered twice. Best effort: where threads
     cannot be reniced, nothing changes.
     """
     try:
         thread = threading.get_native_id()
-        nice = os.getpriority(os.PRIO_PROCESS, thread) + knobs.background_nice()
+        nice = (os.getpriority(os.PRIO_PROCESS, thread) if base is None else base) + knobs.background_nice()
         os.setpriority(os.PRIO_PROCESS, thread, min(nice, 19))
     except (AttributeError, OSError):
         pass
+
+
+def thread_niceness() -> int | None:
+    """The calling thread's niceness; None where threads have none of their own."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return None
 
 
 class CommitHandle:

@@ -22,6 +22,7 @@ must lie end to end from the index on.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 
@@ -83,22 +84,50 @@ def assemble(items: list[tuple[str, str, int, str, list]]) -> tuple[str, list, l
     ``(key, buffers, entries)`` as ``encode_parts`` returns them. Thinning a pack (``thin``)
     copies the entries it keeps this way, byte for byte."""
     sizes = [sum(memoryview(part).nbytes for part in parts) for *_, parts in items]
+    key, head, entries = head_for([(name, kind, start, key) for name, kind, start, key, _ in items], sizes)
+    parts = [head]
+    for *_, blob_parts in items:
+        parts.extend(blob_parts)
+    return key, parts, entries
+
+
+def spill(
+    tensors: list[tuple[str, str, int, torch.Tensor]], keys: list[str], fd: int
+) -> tuple[str, bytes, list[Entry], int]:
+    """Encode ``(name, kind, start, tensor)`` items (content ``keys`` known) one at a time,
+    appending each blob to the open file ``fd`` as soon as it is encoded, so memory holds one
+    blob, never the whole pack: ``(key, head, entries, body length)``. The pack is ``head``
+    followed by the file's first ``body length`` bytes."""
+    sizes = []
+    for (_, _, _, tensor), key in zip(tensors, keys, strict=True):
+        _, parts = codec.encode_parts(tensor, key)
+        views = [memoryview(part).cast("B") for part in parts]
+        sizes.append(sum(view.nbytes for view in views))
+        for view in views:
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+        del parts, views
+    contents = [(name, kind, start, key) for (name, kind, start, _), key in zip(tensors, keys, strict=True)]
+    key, head, entries = head_for(contents, sizes)
+    return key, head, entries, sum(sizes)
+
+
+def head_for(contents: list[tuple[str, str, int, str]], sizes: list[int]) -> tuple[str, bytes, list[Entry]]:
+    """The key, preamble and index (``head``) and entries of a pack whose ``contents``' blobs
+    of ``sizes`` bytes follow the head end to end."""
     # The offsets depend on the index's length, which depends on the offsets' digits: settle it.
     length = 0
     while True:
         offset = PREAMBLE.size + length
         entries = []
-        for (name, kind, start, key, _), size in zip(items, sizes, strict=True):
+        for (name, kind, start, key), size in zip(contents, sizes, strict=True):
             entries.append(Entry(name, kind, start, key, offset, size))
             offset += size
         index = index_bytes(entries)
         if len(index) == length:
             break
         length = len(index)
-    parts = [PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(index)), index]
-    for *_, blob_parts in items:
-        parts.extend(blob_parts)
-    return pack_key([(e.name, e.kind, e.start, e.key) for e in entries]), parts, entries
+    return pack_key(contents), PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(index)) + index, entries
 
 
 def index_bytes(entries: list[Entry]) -> bytes:

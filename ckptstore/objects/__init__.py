@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import io
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -25,19 +27,97 @@ class ObjectInfo:
     mtime: float
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """``length`` bytes of the open file descriptor ``fd`` from byte ``offset``: a part of an
+    object's data that a backend copies from the file (a commit's pack, spilled to disk as it
+    was encoded) without the process ever holding it in memory. The caller keeps ``fd`` open
+    until ``put_if_absent`` returns."""
+
+    fd: int
+    offset: int
+    length: int
+
+
 Data = bytes | memoryview | list
-"""An object's bytes: one buffer, or a list of buffers laid end to end."""
+"""An object's bytes: one buffer, or a list of parts laid end to end (buffers, ``FileRange``s)."""
+
+
+def part_size(part: bytes | memoryview | FileRange) -> int:
+    """Bytes in one part of ``Data``."""
+    return part.length if isinstance(part, FileRange) else memoryview(part).nbytes
 
 
 def data_size(data: Data) -> int:
     """Bytes in ``data``."""
     parts = data if isinstance(data, list) else [data]
-    return sum(memoryview(part).nbytes for part in parts)
+    return sum(part_size(part) for part in parts)
 
 
 def joined(data: Data) -> bytes | memoryview:
-    """``data`` as one buffer (a list's parts copied together once)."""
-    return b"".join(data) if isinstance(data, list) else data
+    """``data`` as one buffer (a list's parts copied together once, file ranges read)."""
+    if not isinstance(data, list):
+        return data
+    return b"".join(_read_range(p) if isinstance(p, FileRange) else p for p in data)
+
+
+def _read_range(part: FileRange) -> bytes:
+    data = os.pread(part.fd, part.length, part.offset)
+    if len(data) != part.length:
+        raise OSError(f"file range of {part.length} bytes ends after {len(data)}")
+    return data
+
+
+class DataReader(io.RawIOBase):
+    """``Data`` as a seekable binary file, reading file ranges as it goes: how an upload streams
+    an object whose parts lie partly on disk (a request body, a multipart upload's source)
+    holding no more of it in memory than the reads ask for."""
+
+    def __init__(self, data: Data) -> None:
+        self._parts = data if isinstance(data, list) else [data]
+        self._starts = []
+        position = 0
+        for part in self._parts:
+            self._starts.append(position)
+            position += part_size(part)
+        self._size = position
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        filled = 0
+        for part, start in zip(self._parts, self._starts, strict=True):
+            size = part_size(part)
+            if filled == out.nbytes or self._position >= start + size or not size:
+                continue
+            if self._position < start:
+                break
+            within = self._position - start
+            count = min(size - within, out.nbytes - filled)
+            if isinstance(part, FileRange):
+                chunk = os.pread(part.fd, count, part.offset + within)
+                if len(chunk) != count:
+                    raise OSError(f"file range of {part.length} bytes ends early")
+            else:
+                chunk = memoryview(part).cast("B")[within : within + count]
+            out[filled : filled + count] = chunk
+            filled += count
+            self._position += count
+        return filled
 
 
 class ObjectStore(abc.ABC):
@@ -46,13 +126,17 @@ class ObjectStore(abc.ABC):
     uri: str
     #: Reads copy from the local page cache (CPU work) rather than wait on a network.
     reads_are_local: bool = False
+    #: Where a writer spills an object's parts before storing them (``FileRange``): beside the
+    #: objects for a local directory, so copying them is cheap; None: the system's temp dir.
+    spill_directory: str | None = None
 
     @abc.abstractmethod
     def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
         """Store ``data`` under ``name`` unless it exists; True if this call created it.
 
-        ``data`` is one buffer, or a list of buffers that make the object in order (a blob's
-        header and byte planes, written without first joining them). When it returns, the
+        ``data`` is one buffer, or a list of parts that make the object in order (a blob's
+        header and byte planes, written without first joining them; ``FileRange``s copied
+        from a file, never read into memory whole). When it returns, the
         object is durable (fsynced / acknowledged by the server). An existing object is left
         as it is (its time is freshened so a concurrent gc treats it as new).
         ``single_request`` writes the object in one create-only request however large it is,

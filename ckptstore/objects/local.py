@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import knobs
 from ..errors import BadInputError, NotFoundError, StorageError
-from . import Data, ObjectInfo, ObjectStore, check_name
+from . import Data, FileRange, ObjectInfo, ObjectStore, check_name
 
 # Out of space, quota and permission problems do not go away by retrying.
 _PERMANENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
@@ -46,8 +46,20 @@ def _storage_error(action: str, name: str, exc: OSError) -> StorageError:
 
 
 def _write_all(fd: int, parts: list) -> None:
-    # One writev for a blob's header and planes; a short write goes on where it stopped.
-    views = [view for view in (memoryview(part).cast("B") for part in parts) if view.nbytes]
+    # One writev for a blob's header and planes; a short write goes on where it stopped. A file
+    # range is copied by the kernel, never through this process's memory.
+    views: list[memoryview] = []
+    for part in parts:
+        if isinstance(part, FileRange):
+            _writev_all(fd, views)
+            views = []
+            _copy_range(part, fd)
+        elif memoryview(part).nbytes:
+            views.append(memoryview(part).cast("B"))
+    _writev_all(fd, views)
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
     while views:
         written = os.writev(fd, views[: os.sysconf("SC_IOV_MAX")])
         if written <= 0:
@@ -56,6 +68,29 @@ def _write_all(fd: int, parts: list) -> None:
             written -= views.pop(0).nbytes
         if written:
             views[0] = views[0][written:]
+
+
+def _copy_range(part: FileRange, fd: int) -> None:
+    offset, left = part.offset, part.length
+    while left:
+        try:
+            copied = os.copy_file_range(part.fd, fd, left, offset)
+        except OSError as exc:
+            # Filesystems and kernels without it (EXDEV across filesystems before Linux 5.3,
+            # ENOSYS, EINVAL on some network filesystems): copy through a bounded buffer.
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            copied = _copy_chunk(part.fd, fd, min(left, 1 << 22), offset)
+        if copied <= 0:
+            raise OSError(errno.EIO, f"file range ends {left} bytes early")
+        offset += copied
+        left -= copied
+
+
+def _copy_chunk(source: int, fd: int, count: int, offset: int) -> int:
+    chunk = os.pread(source, count, offset)
+    _writev_all(fd, [memoryview(chunk)])
+    return len(chunk)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -74,6 +109,7 @@ class LocalObjectStore(ObjectStore):
     def __init__(self, root: str | os.PathLike, *, create: bool = True) -> None:
         self.root = Path(root).expanduser().absolute()
         self.uri = str(self.root)
+        self.spill_directory = str(self.root)
         if self.root.exists() and not self.root.is_dir():
             raise BadInputError(f"store path {self.root} exists and is not a directory")
         if not self.root.exists():

@@ -53,7 +53,7 @@ from botocore.exceptions import (
 
 from .. import knobs
 from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError
-from . import Data, ObjectInfo, ObjectStore, check_name, data_size, joined
+from . import Data, DataReader, FileRange, ObjectInfo, ObjectStore, check_name, data_size, joined
 from .retry import retry
 from .s3_errors import STREAM_ERRORS, error_code, is_conflict, is_missing, is_precondition_failed, translate
 
@@ -162,20 +162,26 @@ class S3ObjectStore(ObjectStore):
 
     def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
         key = self._key(name)
-        data = joined(data)
         size = data_size(data)
+        # Parts spilled to a file are streamed from it (a part at a time for a multipart upload),
+        # never joined into one buffer: a commit holds a few parts in memory, not whole packs.
+        spilled = isinstance(data, list) and any(isinstance(part, FileRange) for part in data)
+        if not spilled:
+            data = joined(data)
         if size >= knobs.s3_multipart_threshold() and not single_request:
             if self.touch(name) is not None:  # there already (and now freshened)
                 return False
 
             def put() -> None:
                 # A fresh reader per attempt: a failed attempt may have consumed the last one.
-                self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, Config=self.transfer_config)
+                source = DataReader(data) if spilled else io.BytesIO(data)
+                self.client.upload_fileobj(source, self.bucket, key, Config=self.transfer_config)
         else:
-            body = bytes(data)
+            body = None if spilled else bytes(data)
 
             def put() -> None:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+                source = DataReader(data) if spilled else body
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=source, IfNoneMatch="*")
 
         created = self._put_create_only(name, put)
         if not created:

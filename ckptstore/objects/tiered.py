@@ -39,6 +39,7 @@ class TieredObjectStore(ObjectStore):
         self.uri = remote.uri
         # The catalog file and the refusal to write outputs into the store follow the local tier.
         self.root: Path = local.root
+        self.spill_directory = local.spill_directory
 
     @property
     def private_catalog(self) -> bool:
