@@ -216,3 +216,84 @@ def test_decode_into_fills_a_given_tensor_as_decode_would(name):
         codec.decode_into(blob, key, torch.empty(tensor.numel() + 1, dtype=tensor.dtype))
     with pytest.raises(CorruptError, match="does not hash"):
         codec.decode_into(blob, "0" * 32, torch.empty(tensor.numel(), dtype=tensor.dtype))
+
+
+MULTIBYTE = [*(dtype for dtype in DTYPES if dtype.itemsize > 1), torch.int16]
+
+
+def planes_of(blob: bytes) -> list[tuple[bool, bytes]]:
+    """A ZSTD_PLANES blob's planes as the layout describes them: ``u8 compressed? u64 length data``."""
+    header = codec.parse_header(blob)
+    assert header.codec == codec.ZSTD_PLANES
+    payload, planes = blob[header.header_size :], []
+    while payload:
+        compressed, length = payload[0], int.from_bytes(payload[1:9], "little")
+        data = payload[9 : 9 + length]
+        planes.append((bool(compressed), zstandard.decompress(data) if compressed else data))
+        payload = payload[9 + length :]
+    return planes
+
+
+def with_planes(dtype: torch.dtype, count: int, noisy: set[int], seed: int = 0) -> torch.Tensor:
+    """``count`` elements of ``dtype`` whose byte planes in ``noisy`` are random (stored raw) and
+    the others nearly constant (compressed)."""
+    itemsize = dtype.itemsize
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.randint(0, 4, (count, itemsize), generator=g, dtype=torch.uint8)
+    for i in noisy:
+        grid[:, i] = torch.randint(0, 256, (count,), generator=g, dtype=torch.uint8)
+    return grid.reshape(-1).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", MULTIBYTE)
+@pytest.mark.parametrize("noisy", ["none", "low", "all but high", "all"])
+def test_byte_planes_hold_each_element_byte_by_position_and_decode_bit_exact(dtype, noisy):
+    itemsize = dtype.itemsize
+    chosen = {
+        "none": set(),
+        "low": {0},
+        "all but high": set(range(itemsize - 1)),
+        "all": set(range(itemsize)),
+    }
+    tensor = with_planes(dtype, 3000, chosen[noisy])
+    key, blob = codec.encode(tensor)
+    if noisy == "all":  # nothing compresses: stored raw
+        assert codec.parse_header(blob).codec == codec.RAW
+    else:
+        planes = planes_of(blob)
+        grid = tensor.view(torch.uint8).reshape(-1, itemsize)
+        assert [compressed for compressed, _ in planes] == [i not in chosen[noisy] for i in range(itemsize)]
+        for i, (_, data) in enumerate(planes):
+            assert data == grid[:, i].numpy().tobytes()  # plane i: byte i of every element, in memory order
+    out = torch.full_like(tensor, 7)
+    codec.decode_into(blob, key, out)
+    assert torch.equal(out.view(torch.uint8), tensor.view(torch.uint8))
+    assert torch.equal(codec.decode(blob, key).view(torch.uint8), tensor.view(torch.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(MULTIBYTE),
+    data=st.binary(min_size=0, max_size=512),
+    fill=st.integers(0, 255),
+    every_plane_compressed=st.booleans(),
+)
+def test_every_bit_pattern_round_trips_through_byte_planes(dtype, data, fill, every_plane_compressed):
+    # NaNs of every payload, -0.0, subnormals: decoding gives back the bytes, not just equal values.
+    itemsize = dtype.itemsize
+    count = (len(data) // itemsize + 64) // 2 * 2
+    raw = bytearray(data[: count * itemsize].ljust(count * itemsize, bytes([fill])))
+    tensor = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(2, -1).T  # not contiguous
+    ratio = "1000" if every_plane_compressed else "0.97"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CKPTSTORE_MIN_COMPRESS_RATIO", ratio)
+        key, blob = codec.encode(tensor)
+    if every_plane_compressed:
+        assert all(compressed for compressed, _ in planes_of(blob))
+    out = torch.empty(tensor.shape, dtype=dtype)
+    codec.decode_into(blob, key, out)
+    assert torch.equal(out.view(torch.uint8), tensor.contiguous().view(torch.uint8))
+    wrong = tensor.contiguous().clone()
+    wrong.view(torch.uint8).view(-1)[0] ^= 1
+    with pytest.raises(CorruptError, match="does not hash to its key"):
+        codec.decode_into(blob, codec.tensor_key(wrong), out)
