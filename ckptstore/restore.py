@@ -3,8 +3,8 @@
 No checkpoint directory is written. Each rank builds, in memory, the files DeepSpeed's
 ``load_checkpoint`` would read on that rank for the job's current world size
 (``deepspeed.write``: its own ZeRO partition and the model states), reading from the store
-only the fragments they hold (``StepReader.span``: a ranged read per fragment of its own
-share), then DeepSpeed itself loads them (``deepspeed.load``), so the engine ends exactly as
+only the fragments they hold (``StepReader.span``: from a store across a network, the
+entries of each pack the rank reads in one request), then DeepSpeed itself loads them (``deepspeed.load``), so the engine ends exactly as
 ``load_checkpoint`` of a materialized directory leaves it, every option included.
 
 Collective: every rank calls it. Phases: (1) every rank agrees on the step (rank 0's choice);
@@ -76,6 +76,10 @@ def restore(
     def first_phase() -> RankShare:  # the masters alone where the weights overlap the rest
         share = _plan(objects, catalog, engine, flavour, chosen, spec, options)
         written[0] = share.in_place
+        if not objects.reads_are_local:
+            # Across a network every kind is read in one pass, so that each pack's entries
+            # come in one request: a pass per kind would fetch every pack once per pass.
+            share.overlaps = False
         share.fill((lambda kind: kind == FP32) if share.overlaps else (lambda kind: True))
         return share
 

@@ -245,3 +245,27 @@ def test_a_fresh_node_materializes_and_exports_with_at_most_two_requests_a_pack(
     resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=9, num_layers=2, hidden=96)
     resumed.load_checkpoint(str(tmp_path / "out"))
     assert matches_store(resumed, ckptstore.open(s3.uri(), create=False), 1) == []
+
+
+def test_a_fresh_node_restores_with_at_most_two_requests_a_pack(s3, machine):
+    store = ckptstore.open(s3.uri())
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2, hidden=96)
+    train(engine, DATA[:1])
+    store.commit(engine, step=1)
+    after = train(engine, DATA[1:3])
+    store.close()
+
+    machine("fresh")
+    with ckptstore.open(s3.uri(), create=False) as fresh:
+        gets = []
+        fresh.objects.client.meta.events.register(
+            "before-send.s3.GetObject", lambda request, **kwargs: gets.append(request.url)
+        )
+        resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=9, num_layers=2, hidden=96)
+        assert fresh.restore(resumed)[0] == 1
+        packs = {ref.key for index in fresh.catalog.layer_packs(1) for ref in index.packs}
+        pack_gets = [url for url in gets if "/packs/" in url]
+        # One rank reads every pack: its index, then its entries in one request (not one a tensor).
+        assert len(pack_gets) <= 2 * len(packs), (len(pack_gets), len(packs))
+    print(f"restore: {len(pack_gets)} GETs for {len(packs)} packs")
+    assert train(resumed, DATA[1:3]) == after

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptError
-from ..model import FP32
+from ..model import FP32, WEIGHT
 from .fill import MODULE, Filler, TensorSource
 from .layout import BF16_OPTIMIZER, ZERO3, ZERO12
 from .write import Writer
@@ -87,6 +87,7 @@ class RankShare:
         self.files: dict[str, object | None] = {
             name: obj if reader in (None, rank) else None for name, obj, reader in listed
         }
+        self._tensors = tensors
         self._filler = Filler(writer.holes, tensors, writer.params)
         self._targets = self._filler.in_memory([obj for obj in self.files.values() if obj is not None])
         self.skip_module_weights = skip_module_weights
@@ -106,7 +107,32 @@ class RankShare:
         def skip(segment) -> bool:
             return not kinds(segment.kind) or (skip_module and segment.kind == MODULE)
 
+        plan = getattr(self._tensors, "plan", None)
+        if plan is not None:
+            plan(self._spans(skip))
         self._filler.fill_in_memory(self._targets, skip, desc=desc)
+
+    def _spans(self, skip: Callable) -> list[tuple[str, str, int, int]]:
+        """``(name, kind, lo, hi)``: the stored elements a fill reads, each kind of a parameter
+        as one span from its first segment's start to its last one's end (``Filler``'s reads);
+        a module weight is read as its fp32 master and whatever weight is stored apart."""
+        spans: dict[tuple[str, str], tuple[int, int]] = {}
+
+        def add(name: str, kind: str, lo: int, hi: int) -> None:
+            known = spans.get((name, kind))
+            spans[(name, kind)] = (lo, hi) if known is None else (min(known[0], lo), max(known[1], hi))
+
+        for _, segments, _ in self._targets:
+            for segment in segments:
+                if skip(segment):
+                    continue
+                end = segment.source_start + segment.length
+                if segment.kind == MODULE:
+                    add(segment.name, FP32, segment.source_start, end)
+                    add(segment.name, WEIGHT, 0, end)
+                else:
+                    add(segment.name, segment.kind, segment.source_start, end)
+        return [(name, kind, lo, hi) for (name, kind), (lo, hi) in spans.items()]
 
 
 def load_from_memory(

@@ -9,8 +9,8 @@ network fetches, at the first entry of a pack it needs, every entry of that pack
 neighbours in one ranged read (``coalesce``), so a pack costs two requests however many
 tensors it holds; the bytes wait, each entry's apart, until read, within
 ``CKPTSTORE_READAHEAD_BYTES`` (past it, entries are read one by one). Otherwise (a local store,
-whose ranged reads are mapped, and restore, which reads only a rank's share) each tensor is
-one ranged read of its own bytes. Every entry is verified as it is decoded, however it was
+whose ranged reads are mapped) each tensor is one ranged read of its own bytes. Restore,
+which reads only a rank's share, announces it first (``plan``) and reads ahead the same way. Every entry is verified as it is decoded, however it was
 fetched. A format-1 blob that several tensors share (identical layer norms, say) is fetched
 and verified once and kept only until its last user has it.
 """
@@ -223,6 +223,26 @@ class StepReader:
         self._indexes = _SharedBlobs(self._fetch_index, pack_uses)
         # Readers may be many threads waiting on a network; decoding is kept to one per core.
         self._cpu = threading.BoundedSemaphore(knobs.cpu_threads())
+
+    def plan(self, spans: Iterable[tuple[str, str, int, int]]) -> None:
+        """Announce the reads to come, ``(name, kind, lo, hi)`` element ranges (a rank's share),
+        before the first: from a store across a network, each pack's entries overlapping them
+        are then fetched together at the first of them (readahead), as for a reader that reads
+        everything. Nothing changes for a local store."""
+        if self._objects.reads_are_local:
+            return
+        for name, kind, lo, hi in spans:
+            found = self._packed.get((name, kind))
+            if found is None or hi <= lo:
+                continue
+            _, fragments, index = found
+            overlapping = fragments[
+                (fragments[:, START] < hi) & (fragments[:, START] + fragments[:, NUMEL] > lo)
+            ]
+            for row in overlapping:
+                key = index.packs[int(row[PACK])].key
+                self._wanted[key].add((name, kind, int(row[START])))
+                self._pack_locks.setdefault(key, threading.Lock())
 
     def _pack_where(self, key: str) -> str:
         index = self._pack_layer[key]
