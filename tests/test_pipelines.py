@@ -68,8 +68,8 @@ def test_ranks_on_one_machine_split_its_cores_when_they_commit(tmp_path, monkeyp
 def test_the_largest_packs_are_compressed_first(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTSTORE_IO_THREADS", "1")  # one thread: the order is the schedule
     store = ckptstore.open(tmp_path / "store")
-    encoding = Concurrency(pack.encode_parts)
-    monkeypatch.setattr(pack, "encode_parts", encoding)
+    encoding = Concurrency(pack.spill)
+    monkeypatch.setattr(pack, "spill", encoding)
     store.commit(committed_engine(), step=1)
     sizes = [sum(t.numel() * t.element_size() for *_, t in items) for items, *_ in encoding.calls]
     assert len(sizes) > 3 and sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
@@ -108,5 +108,8 @@ def test_local_reads_share_the_cores_and_network_reads_wait_outside_them(
     reading = Concurrency(store.objects.get_range, pause=0.01)
     monkeypatch.setattr(store.objects, "get_range", reading)
     store.materialize(1, tmp_path / "out")
-    assert len(reading.calls) > 10
-    assert (reading.most == 1) if where == "local" else (reading.most > 1)
+    if where == "local":  # a mapped ranged read per tensor
+        assert len(reading.calls) > 10 and reading.most == 1
+    else:  # a pack's head, then its entries in one read: a read per pack at least, all waiting at once
+        packs = {ref.key for index in store.catalog.layer_packs(1) for ref in index.packs}
+        assert len(packs) <= len(reading.calls) <= 2 * len(packs) and reading.most > 1
