@@ -113,3 +113,21 @@ def test_local_reads_share_the_cores_and_network_reads_wait_outside_them(
     else:  # a pack's head, then its entries in one read: a read per pack at least, all waiting at once
         packs = {ref.key for index in store.catalog.layer_packs(1) for ref in index.packs}
         assert len(packs) <= len(reading.calls) <= 2 * len(packs) and reading.most > 1
+
+
+def test_a_commit_stores_each_pack_from_its_spill_file_never_joined_in_memory(tmp_path, monkeypatch):
+    from ckptstore.objects import FileRange
+
+    monkeypatch.setenv("CKPTSTORE_PACK_BYTES", str(64 * 1024))  # many packs, several tensors each
+    store = ckptstore.open(tmp_path / "store")
+    written = Concurrency(store.objects.put_if_absent)
+    monkeypatch.setattr(store.objects, "put_if_absent", written)
+    store.commit(committed_engine(), step=1)
+    packs = [(name, data) for name, data, *_ in written.calls if name.startswith("packs/")]
+    assert len(packs) > 3
+    for name, data in packs:
+        # In memory: the pack's head (preamble and index); its blobs are a range of the spill file.
+        head, body = data
+        assert isinstance(body, FileRange) and body.length > len(head), name
+        assert store.objects.info(name).size == len(head) + body.length
+    assert store.verify(deep=True).ok
