@@ -219,22 +219,38 @@ def test_manifests_are_written_in_one_request_even_past_the_multipart_threshold(
     assert all("-" in tag for key, tag in etag.items() if key.startswith("run/packs/"))
 
 
-def test_a_fresh_node_materializes_and_exports_with_at_most_two_requests_a_pack(s3, machine, tmp_path):
+def two_layer_step_on_s3(s3) -> list[float]:
+    """Step 1 of a 2-layer engine with layers of about 1 MB a pack (their entries lie past the
+    first read of a pack, 64 KiB), committed to S3; the losses of two more steps after it."""
     store = ckptstore.open(s3.uri())
-    # Layers of about 1 MB a pack: their entries lie past the first read of the pack (64 KiB).
     engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2, hidden=96)
     train(engine, DATA[:1])
     store.commit(engine, step=1)
     store.close()
+    return train(engine, DATA[1:3])
 
+
+def gets_of(store) -> list[str]:
+    """The URLs of every GET ``store`` sends from now on (a list that grows)."""
+    gets = []
+    store.objects.client.meta.events.register(
+        "before-send.s3.GetObject", lambda request, **kwargs: gets.append(request.url)
+    )
+    return gets
+
+
+def packs_of(store, step: int) -> set[str]:
+    """The keys of the packs ``step`` reads (known once the fresh node has imported the step)."""
+    return {ref.key for index in store.catalog.layer_packs(step) for ref in index.packs}
+
+
+def test_a_fresh_node_materializes_and_exports_with_at_most_two_requests_a_pack(s3, machine, tmp_path):
+    two_layer_step_on_s3(s3)
     machine("fresh")
     with ckptstore.open(s3.uri(), create=False) as fresh:
-        gets = []
-        fresh.objects.client.meta.events.register(
-            "before-send.s3.GetObject", lambda request, **kwargs: gets.append(request.url)
-        )
+        gets = gets_of(fresh)
         fresh.materialize(1, tmp_path / "out")
-        packs = {ref.key for index in fresh.catalog.layer_packs(1) for ref in index.packs}
+        packs = packs_of(fresh, 1)
         pack_gets = [url for url in gets if "/packs/" in url]
         assert len(pack_gets) <= 2 * len(packs), (len(pack_gets), len(packs))
         assert len(gets) - len(pack_gets) <= 5, [url for url in gets if "/packs/" not in url]
@@ -248,22 +264,13 @@ def test_a_fresh_node_materializes_and_exports_with_at_most_two_requests_a_pack(
 
 
 def test_a_fresh_node_restores_with_at_most_two_requests_a_pack(s3, machine):
-    store = ckptstore.open(s3.uri())
-    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2, hidden=96)
-    train(engine, DATA[:1])
-    store.commit(engine, step=1)
-    after = train(engine, DATA[1:3])
-    store.close()
-
+    after = two_layer_step_on_s3(s3)
     machine("fresh")
     with ckptstore.open(s3.uri(), create=False) as fresh:
-        gets = []
-        fresh.objects.client.meta.events.register(
-            "before-send.s3.GetObject", lambda request, **kwargs: gets.append(request.url)
-        )
+        gets = gets_of(fresh)
         resumed = build_engine("llama", zero_stage=2, dtype="bf16", seed=9, num_layers=2, hidden=96)
         assert fresh.restore(resumed)[0] == 1
-        packs = {ref.key for index in fresh.catalog.layer_packs(1) for ref in index.packs}
+        packs = packs_of(fresh, 1)
         pack_gets = [url for url in gets if "/packs/" in url]
         # One rank reads every pack: its index, then its entries in one request (not one a tensor).
         assert len(pack_gets) <= 2 * len(packs), (len(pack_gets), len(packs))
