@@ -190,5 +190,5 @@ def readahead_bytes() -> int:
 def export_buffer_bytes() -> int:
     """Memory export keeps for the tensors it is decoding, casting and writing, reused from
     one tensor to the next (a tensor that alone needs more gets it, one at a time). 0, the
-    default: room for as many of the largest tensors as ``cpu_threads``, and at least 64 MiB."""
+    default: room for the largest tensor and for a median one per ``cpu_threads``, at least 64 MiB."""
     return _int("EXPORT_BUFFER_BYTES", 0)

@@ -44,17 +44,19 @@ def test_cast_refuses_a_target_of_another_size():
 
 
 def test_scratch_reuses_its_memory_and_keeps_within_its_budget():
-    scratch = Scratch(100)
-    with scratch.take(60) as first:
+    scratch = Scratch(640)  # pieces are whole multiples of 64 bytes
+    with scratch.take(600) as first:
         first.fill_(1)
         kept = first.data_ptr()
-    with scratch.take(40) as second:  # the same memory, not new
-        assert second.data_ptr() == kept and len(second) == 40
+    with scratch.take(100) as second, scratch.take(64) as third:  # the same memory, not new
+        assert second.data_ptr() == kept and len(second) == 100
+        assert third.data_ptr() == kept + 128
     in_use, most = [0], [0]
     lock = threading.Lock()
 
     def use(nbytes: int) -> None:
-        with scratch.take(nbytes):
+        with scratch.take(nbytes) as memory:
+            assert kept <= memory.data_ptr() <= kept + 640 - nbytes
             with lock:
                 in_use[0] += nbytes
                 most[0] = max(most[0], in_use[0])
@@ -62,19 +64,20 @@ def test_scratch_reuses_its_memory_and_keeps_within_its_budget():
             with lock:
                 in_use[0] -= nbytes
 
-    threads = [threading.Thread(target=use, args=(n,)) for n in (30, 50, 20, 60, 10, 40) * 3]
+    threads = [threading.Thread(target=use, args=(64 * n,)) for n in (3, 5, 2, 6, 1, 4) * 3]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert 0 < most[0] <= 100
+    assert 64 * 6 <= most[0] <= 640
 
 
-def test_scratch_gives_a_tensor_larger_than_its_budget_alone():
-    scratch = Scratch(10)
+def test_scratch_gives_a_tensor_larger_than_its_budget_an_arena_of_its_own():
+    scratch = Scratch(64)
     with scratch.take(4):
         pass
-    with scratch.take(1000) as big:  # the small free buffer is dropped to make room
+    with scratch.take(1000) as big:
         assert len(big) == 1000
-    with scratch.take(8) as small:
-        assert len(small) == 8
+        kept = big.data_ptr()
+    with scratch.take(8) as small, scratch.take(900) as other:  # the larger arena, from now on
+        assert len(small) == 8 and other.data_ptr() == kept + 64

@@ -10,7 +10,9 @@ for an 81M model decoded to fp32, as much as the decoding itself.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import statistics
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -31,49 +33,59 @@ _CAST_WINDOW = 4 << 20
 
 
 class Scratch:
-    """Memory for the tensors in flight, kept and reused: at most ``budget`` bytes of it, or one
-    tensor's need alone when that is more. ``take`` waits until its bytes fit."""
+    """Memory for the tensors in flight: one arena of ``budget`` bytes, handed out in pieces
+    (lowest address first, so the pages touched stay few) and taken back, for reuse, at the
+    end of each ``take``. A tensor that needs more than the whole arena waits until nothing
+    is in use and gets an arena of its own size."""
 
     def __init__(self, budget: int) -> None:
-        self._budget = budget
-        self._free: list[torch.Tensor] = []
-        self._held = 0  # bytes of every buffer kept, free or in use
+        self._size = _aligned(max(budget, 1))
+        self._arena: torch.Tensor | None = None  # allocated at the first take
+        self._free = [(0, self._size)]  # (start, end) of each free piece, in order
+        self._in_use = 0
         self._changed = threading.Condition()
 
     @contextlib.contextmanager
     def take(self, nbytes: int) -> Iterator[torch.Tensor]:
-        """``nbytes`` of memory (uint8, 64-byte aligned) until the block ends."""
-        buffer = self._reserve(nbytes)
-        try:
-            if buffer is None:
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
-            yield buffer[:nbytes]
-        except BaseException:
-            with self._changed:
-                if buffer is None:  # never allocated
-                    self._held -= nbytes
+        """``nbytes`` of memory (uint8, 64-byte aligned) until the block ends; waits for room."""
+        size = _aligned(max(nbytes, 1))
+        with self._changed:
+            while (start := self._carve(size)) is None:
+                if size > self._size and self._in_use == 0:
+                    self._size, self._arena, self._free = size, None, [(0, size)]
                 else:
-                    self._free.append(buffer)
+                    self._changed.wait()
+            self._in_use += 1
+            if self._arena is None:
+                self._arena = torch.empty(self._size, dtype=torch.uint8)  # pages come as touched
+            arena = self._arena
+        try:
+            yield arena[start : start + nbytes]
+        finally:
+            with self._changed:
+                self._in_use -= 1
+                if arena is self._arena:
+                    self._give_back(start, start + size)
                 self._changed.notify_all()
-            raise
-        with self._changed:
-            self._free.append(buffer)
-            self._changed.notify_all()
 
-    def _reserve(self, nbytes: int) -> torch.Tensor | None:
-        """A kept buffer of at least ``nbytes``, or None once ``nbytes`` more may be allocated."""
-        with self._changed:
-            while True:
-                fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
-                if fitting:  # the smallest that fits (a tensor's ``==`` is elementwise: by index)
-                    return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
-                self._free.sort(key=torch.Tensor.numel)
-                while self._free and self._held + nbytes > self._budget:
-                    self._held -= self._free.pop(0).numel()  # too small for this: make room
-                if self._held + nbytes <= self._budget or self._held == 0:
-                    self._held += nbytes
-                    return None
-                self._changed.wait()
+    def _carve(self, size: int) -> int | None:
+        for i, (start, end) in enumerate(self._free):
+            if end - start >= size:
+                if end - start == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + size, end)
+                return start
+        return None
+
+    def _give_back(self, start: int, end: int) -> None:
+        i = bisect.bisect(self._free, (start, end))
+        if i < len(self._free) and self._free[i][0] == end:  # joins the piece after it
+            end = self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][1] == start:  # and the piece before it
+            start = self._free.pop(i - 1)[0]
+            i -= 1
+        self._free.insert(i, (start, end))
 
 
 def _aligned(nbytes: int) -> int:
@@ -128,10 +140,7 @@ def write_files(
         if weight.kind != BUFFER
     }
     needs = {name: _need(entries[name].shape, stored[name], dtype) for name in stored}
-    budget = knobs.export_buffer_bytes() or max(
-        _MIN_BUDGET, knobs.cpu_threads() * max(needs.values(), default=0)
-    )
-    scratch = Scratch(budget)
+    scratch = Scratch(knobs.export_buffer_bytes() or _default_budget(list(needs.values())))
     opened = _Files(files, metadata)
 
     def write(path: Path, name: str) -> None:
@@ -161,6 +170,14 @@ def write_files(
                 raise
     finally:
         opened.close()
+
+
+def _default_budget(needs: list[int]) -> int:
+    """Room for the largest tensor, and for a median one on each decoding thread; at least
+    ``_MIN_BUDGET``. More would be memory touched for the first time (page faults), not speed."""
+    if not needs:
+        return _MIN_BUDGET
+    return max(_MIN_BUDGET, max(needs), knobs.cpu_threads() * int(statistics.median(needs)))
 
 
 def _need(shape: tuple[int, ...], stored: torch.dtype | None, dtype: torch.dtype) -> int:
