@@ -185,3 +185,10 @@ def readahead_bytes() -> int:
     """Bytes of pack entries a reader that reads whole steps may fetch ahead of being asked
     for them (coalesced into few requests a pack); past it, entries are read one by one."""
     return _int("READAHEAD_BYTES", 128 * 1024 * 1024)
+
+
+def export_buffer_bytes() -> int:
+    """Memory export keeps for the tensors it is decoding, casting and writing, reused from
+    one tensor to the next (a tensor that alone needs more gets it, one at a time). 0, the
+    default: room for the largest tensor and for a median one per ``cpu_threads``, at least 64 MiB."""
+    return _int("EXPORT_BUFFER_BYTES", 0)

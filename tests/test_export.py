@@ -109,6 +109,29 @@ def test_a_sharded_fp32_export_splits_at_the_limit_and_indexes_every_tensor(comm
     assert all(torch.equal(loaded[name], reference[name]) for name in reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_export_within_a_tiny_memory_budget_casts_bit_for_bit_in_windows(
+    committed, tmp_path, monkeypatch, dtype
+):
+    from safetensors.torch import load_file
+
+    from ckptstore.export import writer
+
+    _, store, reference = committed
+    monkeypatch.setenv("CKPTSTORE_EXPORT_BUFFER_BYTES", "1")  # one tensor at a time
+    monkeypatch.setattr(writer, "_CAST_WINDOW", 4096)  # tensors cast and written in many windows
+    report = store.export(2, tmp_path / "out", dtype=dtype, max_shard_size=8 * 1024)
+    assert len(report.weight_files) > 2
+    index = json.loads((report.path / "model.safetensors.index.json").read_text())
+    written = {}
+    for shard in report.weight_files:
+        tensors = load_file(report.path / shard)
+        written.update(dict.fromkeys(tensors, shard))
+        for name, tensor in tensors.items():
+            assert tensor.dtype == dtype and torch.equal(tensor, reference[name].to(dtype)), name
+    assert index["weight_map"] == written and written.keys() <= reference.keys()
+
+
 def test_export_of_a_composite_step_takes_each_layer_from_its_source(tmp_path):
     engine = build_engine("llama", zero_stage=2, dtype="bf16", num_layers=2)
     store = ckptstore.open(tmp_path / "store")

@@ -3,8 +3,8 @@
 Laid out as ``save_pretrained`` writes it: ``model.safetensors``, or past ``max_shard_size``
 shards ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``, split by
 huggingface_hub's own splitter; tied weights stored once under the name transformers keeps;
-file metadata ``{"format": "pt"}``. The weights stream: each tensor is read, cast and written
-at its offset by one of a few threads, so memory holds a few tensors, never a shard. The
+file metadata ``{"format": "pt"}``. The weights stream (``writer``): each tensor is read, cast
+and written at its offset by one of a few threads, so memory holds a few tensors, never a shard. The
 folder is built beside ``out`` and renamed into place, like a materialized checkpoint.
 """
 
@@ -15,24 +15,24 @@ import json
 import math
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from .. import auxfiles, knobs
+from .. import auxfiles
 from ..catalog import Catalog
 from ..dcp import dcp_description
 from ..dcp.weights import DcpStepWeights
 from ..errors import BadInputError, require_int
 from ..materialize import compose, outputs
-from ..model import BUFFER, Weight
+from ..model import BUFFER
 from ..objects import ObjectStore
 from ..progress import progress_bar
-from .safetensors_file import SafetensorsFile, tensor_bytes
+from .safetensors_file import tensor_bytes
 from .weights import StepWeights, parse_dtype
+from .writer import write_files
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -106,12 +106,11 @@ def export(
     try:
         staging.mkdir()
         bar = progress_bar(range(len(weights.entries)), desc="export", unit="tensor")
-        for filename, names in split.filename_to_tensors.items():
-            shard = SafetensorsFile(staging / filename, {n: layout[n] for n in names}, {"format": "pt"})
-            try:
-                _write_shard(shard, [by_name[n] for n in names], weights, dtype, buffers, bar)
-            finally:
-                shard.close()
+        shards = {
+            staging / filename: {n: layout[n] for n in names}
+            for filename, names in split.filename_to_tensors.items()
+        }
+        write_files(shards, {"format": "pt"}, by_name, weights, dtype, buffers, bar)
         if split.is_sharded:
             params = sum(math.prod(w.shape) for w in weights.entries if w.kind != BUFFER)
             index = {
@@ -129,27 +128,6 @@ def export(
         bytes=split.metadata["total_size"], weight_files=list(split.filename_to_tensors),
         copied_files=sorted(row.path for row in files),
     )  # fmt: skip
-
-
-def _write_shard(
-    shard, entries: list[Weight], weights: StepWeights | DcpStepWeights, dtype, buffers: dict, bar
-) -> None:
-    def write(weight: Weight) -> None:
-        tensor = buffers[weight.name] if weight.kind == BUFFER else weights.read(weight, dtype)
-        shard.write(weight.name, tensor)
-
-    # Largest first, so no big tensor starts last while the other threads sit idle.
-    entries = sorted(entries, key=lambda w: 0 if w.kind == BUFFER else -tensor_bytes(w.shape, dtype))
-    with ThreadPoolExecutor(knobs.io_threads()) as pool:
-        tasks = [pool.submit(write, w) for w in entries]
-        try:
-            for task in as_completed(tasks):
-                task.result()
-                next(bar, None)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
 
 
 def _split(layout: dict, max_shard_size: int | str):

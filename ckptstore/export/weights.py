@@ -22,6 +22,7 @@ from ..materialize import compose
 from ..materialize.directory import step_reader
 from ..model import BUFFER, FP32, WEIGHT, Weight
 from ..objects import ObjectStore
+from .cast import cast
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -79,9 +80,42 @@ class StepWeights:
         tensor = self._reader(weight.name, weight.kind)
         if tensor is None:
             raise CorruptError(f"step {self.step} has no stored {weight.kind} tensor for {weight.name}")
-        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-            tensor = tensor.to(dtype)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = cast(tensor, dtype)
         return tensor
+
+    def stored_dtype(self, weight: Weight) -> torch.dtype | None:
+        """The dtype ``weight`` is stored in when ``read_into`` can decode it (it is stored in
+        packs), else None (``read`` it)."""
+        if self._reader.pieces(weight.name, weight.kind) is None:
+            return None
+        return self._reader.dtype(weight.name, weight.kind)
+
+    def read_into(self, weight: Weight, out: torch.Tensor) -> bool:
+        """Decode ``weight`` straight into ``out`` (contiguous, its stored dtype and shape),
+        verified; False (nothing read) unless it is stored in packs. Raises NotFoundError /
+        CorruptError as ``read`` does, CorruptError also when its fragments do not tile ``out``."""
+        pieces = self._reader.pieces(weight.name, weight.kind)
+        if pieces is None:
+            return False
+        covered = 0
+        for start, numel in sorted(pieces):
+            if start != covered:
+                raise CorruptError(f"step {self.step}: fragments of {weight.name} {weight.kind} "
+                                   f"do not tile it (gap or overlap at element {covered})")  # fmt: skip
+            covered += numel
+        if covered != out.numel():
+            raise CorruptError(
+                f"step {self.step}: fragments of {weight.name} {weight.kind} hold {covered} elements, "
+                f"its shape {tuple(out.shape)}"
+            )
+        flat = out.view(-1)
+        for start, numel in pieces:
+            if not self._reader.read_into(weight.name, weight.kind, start, flat[start : start + numel]):
+                raise CorruptError(
+                    f"step {self.step}: {weight.name} {weight.kind} has two fragments at {start}"
+                )
+        return True
 
     def read_all(self, entries: list[Weight], dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
         """``read`` of each of ``entries``, in order, several read ahead on I/O threads."""

@@ -394,6 +394,14 @@ class StepReader:
             return [(start, tensor.reshape(-1)) for start, tensor in self._packed_fragments(name, kind)]
         return [(row.start, self._blobs.get(row.blob).reshape(-1)) for row in self.rows.get((name, kind), [])]
 
+    def pieces(self, name: str, kind: str) -> list[tuple[int, int]] | None:
+        """``(start, numel)`` of each stored fragment of ``kind`` of ``name``, in order, without
+        reading any: what ``read_into`` can decode; None when it is not stored in packs."""
+        found = self._packed.get((name, kind))
+        if found is None:
+            return None
+        return [(int(row[START]), int(row[NUMEL])) for row in found[1]]
+
     def read_into(self, name: str, kind: str, start: int, out: torch.Tensor) -> bool:
         """Decode the stored fragment of ``kind`` of ``name`` that is exactly elements
         ``[start, start + out.numel())`` straight into ``out`` (contiguous), verified; False
