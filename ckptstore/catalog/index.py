@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..errors import ConflictError, CorruptError, NotFoundError
+from ..errors import ConflictError, CorruptError, NotFoundError, StorageError
 from ..format import layerpacks
 from ..layers import layer_of
 from ..model import BlobRow, StepRecord, group_by_source
@@ -31,14 +31,24 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
     A step's own rows are read in ``steps.StepQueries``, the queries of format-2 pack indexes
     are in ``packs.LayerPackQueries``."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: str | None = None) -> None:
+        """Open the catalog at ``path`` (``database.connect``: UnsupportedError, CorruptError,
+        StorageError). ``read_only``, why the file cannot be written: read an in-memory copy of
+        it instead (``database.snapshot``), which writers refuse (``require_writable``)."""
         self.path = Path(path)
+        #: Why this catalog is an in-memory copy of a file that cannot be written; None: it is not.
+        self.read_only = read_only
         # Imports listed steps that are not recorded yet (catalog.sync); None: nothing is listed.
         self.loader: Callable[[list[int]], None] | None = None
         # Steps whose manifest is listed but could not be read, met by this process -> why:
         # such a step is committed and damaged, not absent (``_require``, ``log``).
         self.unreadable: dict[int, str] = {}
-        self.db = database.connect(self.path)
+        self.db = database.snapshot(self.path) if read_only else database.connect(self.path)
+
+    def require_writable(self, verb: str) -> None:
+        """StorageError if this catalog is a read-only copy (``read_only``): ``verb`` would write it."""
+        if self.read_only:
+            raise StorageError(f"{verb} needs to write the catalog, and {self.read_only}")
 
     def write_transaction(self) -> contextlib.AbstractContextManager:
         """One transaction holding the write lock from its first statement (``database``)."""
