@@ -104,8 +104,12 @@ def mounts():
     """Mount points made by the test, unmounted (innermost first) at teardown."""
     points: list[Path] = []
     yield points
+    busy = []
     for point in reversed(points):
-        subprocess.run(["umount", str(point)], capture_output=True)
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
+            busy.append(point)  # something the test opened there is still open
+            subprocess.run(["umount", "--lazy", str(point)], capture_output=True)
+    assert not busy, f"files left open under {busy}"
 
 
 @pytest.fixture
@@ -277,6 +281,23 @@ def test_verbs_that_write_a_read_only_store_exit_7_naming_it(run, read_only_stor
         opened.commit(engine, step=2)
     assert objects_of(read_only_store) == before
     assert_consistent(run, read_only_store, [1])
+
+
+def test_an_s3_store_whose_catalog_cache_cannot_be_written_still_lists_and_reads(
+    run, s3, engine, read_only, tmp_path, monkeypatch
+):
+    with ckptstore.open(s3.uri()) as store:
+        store.commit(engine, step=1)
+    (tmp_path / "caches").mkdir()
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(read_only(tmp_path / "caches") / "cache"))
+    result = run("--store", s3.uri(), "log", "--json")
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["step"] for line in result.stdout.splitlines()] == [1]
+    result = run("--store", s3.uri(), "materialize", "--step", 1, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    result = run("--store", s3.uri(), "delete", "--step", 1)
+    assert result.returncode == 7 and "catalog" in one_line(result)
+    assert any(key.startswith("run/manifests/") for key in s3.keys())
 
 
 # -- materialize and export into a file system that cannot take them -------------------------------

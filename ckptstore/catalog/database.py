@@ -43,16 +43,24 @@ def connect(path: Path) -> Database:
     read-only mount, permissions: ``storage_fault``).
     """
     _check_length(path)
+    connection = None
     try:
         # check_same_thread=False: a non-blocking commit records its step from its background
         # thread; the store never runs two commits at once.
-        db = Database(sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False))
+        connection = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
+        db = Database(connection)
         db.execute("PRAGMA busy_timeout=60000")
         _enable_wal(db)
         db.execute("PRAGMA synchronous=FULL")
         db.ckptstore_path = path  # named by write_transaction's errors
         _migrate(db, path)
-    except sqlite3.DatabaseError as exc:
+    except BaseException as exc:
+        # Closed now, not when the error is collected: an open catalog keeps its files (and
+        # their file system) busy.
+        if connection is not None:
+            connection.close()
+        if not isinstance(exc, sqlite3.DatabaseError):
+            raise
         if storage_fault(exc):
             raise StorageError(f"cannot open the catalog {path}: {clip(str(exc))}") from None
         raise CorruptError(f"catalog {path} cannot be opened: {clip(str(exc))}") from None
