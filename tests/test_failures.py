@@ -232,6 +232,31 @@ def test_commit_and_delete_on_a_full_store_exit_7_and_change_nothing(run, full_s
     assert_consistent(run, store, [1])
 
 
+def test_a_store_whose_disk_fills_after_it_was_opened_still_reads_its_steps(
+    committed, engine, tmpfs, tmp_path
+):
+    # Step 2 committed elsewhere: its manifest and packs, which the store's catalog only lists.
+    other = copy_store(committed, tmp_path / "other")
+    with ckptstore.open(other, create=False) as opened:
+        opened.commit(engine, step=2)
+    point = tmpfs("full", "4m")
+    store = copy_store(committed, point / "store")
+    for path in other.rglob("*"):
+        if path.is_file() and path.parts[len(other.parts)] in ("manifests", "packs"):
+            target = store / path.relative_to(other)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                shutil.copy2(path, target)
+    with ckptstore.open(store, create=False) as opened:
+        fill(point)
+        assert [row.step for row in opened.log()] == [1, 2]  # step 2 imported into a copy
+        assert opened.verify().ok
+        with pytest.raises(StorageError, match="catalog"):
+            opened.delete(2)
+    with ckptstore.open(store, create=False) as opened:
+        assert opened.steps() == [1, 2]
+
+
 def test_a_disk_that_fills_while_the_catalog_row_is_written_is_a_storage_error(
     run, committed, engine, tmp_path, monkeypatch
 ):

@@ -79,7 +79,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         return self.db.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone() is not None
 
     def load(self, steps: Iterable[int] | None = None) -> None:
-        """Import the listed steps not recorded yet: all of them, or those among ``steps``."""
+        """Import the listed steps not recorded yet: all of them, or those among ``steps``.
+        Where the file cannot take them (StorageError: a full disk), the catalog goes on as
+        an in-memory copy (``read_only``) that holds them."""
         if self.loader is None:
             return
         sql = "SELECT step FROM listed_steps WHERE step NOT IN (SELECT step FROM steps) ORDER BY step"
@@ -87,7 +89,17 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         if steps is not None:
             wanted = set(steps)
             pending = [step for step in pending if step in wanted]
-        if pending:
+        if not pending:
+            return
+        try:
+            self.loader(pending)
+        except StorageError as exc:
+            # The disk filled (or became read-only) since the open: read on from a copy.
+            if self.read_only or self.db.conn.in_transaction:
+                raise
+            self.db.close()
+            self.db = database.snapshot(self.path)
+            self.read_only = str(exc)
             self.loader(pending)
 
     def set_listed(self, steps: dict[int, int]) -> None:
