@@ -63,7 +63,9 @@ def _check_layers(layers: Any) -> strategies.Selection:
     for anything else (a string, names that are not strings)."""
     if layers is None or isinstance(layers, strategies.Strategy) or callable(layers):
         return layers
-    if isinstance(layers, str | bytes) or not isinstance(layers, Iterable):
+    if isinstance(layers, str | bytes):
+        raise BadInputError("layers= takes a list of layer names, not a single string")
+    if not isinstance(layers, Iterable):
         raise BadInputError(
             "layers= takes a list of layer names, a strategy or a callable, not "
             f"{errors.clip(repr(layers), 60)}"

@@ -138,12 +138,12 @@ class LocalObjectStore(ObjectStore):
             handle = open(self.root / "lock", "a")  # noqa: SIM115 - closed below
         except OSError as exc:
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise self._error("open the lock of", "lock", exc) from None
+                raise self._error("open the lock file", "lock", exc) from None
             # flock needs no write access: a store on a read-only mount still takes its lock.
             try:
                 handle = open(self.root / "lock")  # noqa: SIM115 - closed below
             except OSError:
-                raise self._error("open the lock of", "lock", exc) from None
+                raise self._error("open the lock file", "lock", exc) from None
         with handle:
             fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
