@@ -9,14 +9,40 @@ import math
 import os
 
 
-def _int(name: str, default: int) -> int:
+def _int(name: str, default: int, minimum: int | None = None) -> int:
+    """``CKPTSTORE_<name>`` as an integer of at least ``minimum`` (``default`` when unset);
+    BadInputError naming it when it is not one."""
     value = os.environ.get(f"CKPTSTORE_{name}")
-    return default if value is None else int(value)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or (minimum is not None and number < minimum):
+        raise _bad(name, value, "an integer" if minimum is None else f"an integer >= {minimum}")
+    return number
 
 
 def _float(name: str, default: float) -> float:
+    """``CKPTSTORE_<name>`` as a finite non-negative number (``default`` when unset);
+    BadInputError naming it when it is not one."""
     value = os.environ.get(f"CKPTSTORE_{name}")
-    return default if value is None else float(value)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise _bad(name, value, "a finite non-negative number")
+    return number
+
+
+def _bad(name: str, value: str, kind: str) -> Exception:
+    from .errors import BadInputError, clip
+
+    return BadInputError(f"CKPTSTORE_{name} must be {kind}, not {clip(repr(value), 40)}")
 
 
 def zstd_level() -> int:
@@ -38,7 +64,7 @@ def cpu_threads() -> int:
     """Threads that hash, compress or decode at once: by default one per core this process may
     use. A commit's ranks on one machine compress at the same time and split these."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return max(1, _int("CPU_THREADS", cores))
+    return _int("CPU_THREADS", cores, 1)
 
 
 def ranks_on_this_machine() -> int:
@@ -49,7 +75,7 @@ def ranks_on_this_machine() -> int:
 def io_threads() -> int:
     """Blobs stored or fetched at once. More than ``cpu_threads``, so that while some threads
     wait on a disk (fsync) or the network, others keep every core compressing or decoding."""
-    return max(1, _int("IO_THREADS", max(8, cpu_threads())))
+    return _int("IO_THREADS", max(8, cpu_threads()), 1)
 
 
 def tmp_suffix() -> str:
@@ -81,22 +107,33 @@ def cache_dir() -> str:
 
 def s3_multipart_threshold() -> int:
     """S3 objects of at least this many bytes are uploaded in parts (and downloaded by ranges)."""
-    return _int("S3_MULTIPART_THRESHOLD", 64 * 1024 * 1024)
+    return _int("S3_MULTIPART_THRESHOLD", 64 * 1024 * 1024, 1)
 
 
 def s3_part_size() -> int:
     """Size of one multipart part or download range (boto3 raises it to S3's 5 MiB minimum)."""
-    return _int("S3_PART_SIZE", 16 * 1024 * 1024)
+    return _int("S3_PART_SIZE", 16 * 1024 * 1024, 1)
 
 
 def s3_part_threads() -> int:
     """Parts of one large S3 object transferred at once (on top of the io_threads objects)."""
-    return _int("S3_PART_THREADS", 4)
+    return _int("S3_PART_THREADS", 4, 1)
 
 
 def s3_max_attempts() -> int:
     """Attempts per S3 request in botocore's standard retry mode (first try included)."""
-    return _int("S3_MAX_ATTEMPTS", 5)
+    return _int("S3_MAX_ATTEMPTS", 5, 1)
+
+
+def s3_timeout() -> float:
+    """Seconds an S3 request may wait to connect, and then for each read of the reply, before
+    it fails (and is retried, ``s3_max_attempts`` in all). With the defaults a command against
+    an endpoint that accepts connections and never answers fails within a minute: 5 attempts
+    of 8 s plus botocore's backoff between them (at most 1 + 2 + 4 + 8 s)."""
+    seconds = _float("S3_TIMEOUT", 8.0)
+    if seconds <= 0:
+        raise _bad("S3_TIMEOUT", str(seconds), "a positive number of seconds")
+    return seconds
 
 
 def s3_freshen_after() -> float:
@@ -110,29 +147,30 @@ def s3_freshen_after() -> float:
 
 def sample_size() -> int:
     """Elements of each parameter sampled per commit for update statistics (ckptstore.stats)."""
-    return _int("SAMPLE_SIZE", 256)
+    return _int("SAMPLE_SIZE", 256, 0)
 
 
 def max_file_bytes() -> int:
     """Largest auxiliary file a commit stores with a step (``commit(files=...)``)."""
-    return _int("MAX_FILE_BYTES", 256 * 1024 * 1024)
+    return _int("MAX_FILE_BYTES", 256 * 1024 * 1024, 0)
 
 
 def pack_bytes() -> int:
     """Tensor bytes past which a rank's pack of one layer is cut into several (format 2): bounds
-    what a commit holds encoded per thread, and lets a big layer compress on several cores."""
-    return _int("PACK_BYTES", 32 * 1024 * 1024)
+    one object (and the spill file a commit encodes it into), and lets a big layer compress on
+    several cores."""
+    return _int("PACK_BYTES", 32 * 1024 * 1024, 1)
 
 
 def manifest_max_expansion() -> int:
     """A manifest may decompress to at most this many times its stored size (or
     ``manifest_min_bound``): its JSON compresses about ten times, a zstd bomb thousands."""
-    return _int("MANIFEST_MAX_EXPANSION", 64)
+    return _int("MANIFEST_MAX_EXPANSION", 64, 1)
 
 
 def manifest_min_bound() -> int:
     """Bytes any manifest may decompress to, however small it is stored."""
-    return _int("MANIFEST_MIN_BOUND", 4 * 1024 * 1024)
+    return _int("MANIFEST_MIN_BOUND", 4 * 1024 * 1024, 1)
 
 
 def local_tier() -> str:
@@ -142,7 +180,7 @@ def local_tier() -> str:
 
 def local_keep() -> int:
     """Steps whose objects a local tier keeps once they are uploaded (``local_keep=``)."""
-    return _int("LOCAL_KEEP", 2)
+    return _int("LOCAL_KEEP", 2, 0)
 
 
 def local_upload() -> str:
@@ -158,7 +196,7 @@ def local_upload() -> str:
 
 def local_max_bytes() -> int:
     """Bytes of steps not uploaded yet past which a commit waits for the uploads (0: no limit)."""
-    return _int("LOCAL_MAX_BYTES", 0)
+    return _int("LOCAL_MAX_BYTES", 0, 0)
 
 
 def local_retry_first() -> float:
@@ -184,11 +222,11 @@ def local_wait_ranks() -> float:
 def readahead_bytes() -> int:
     """Bytes of pack entries a reader that reads whole steps may fetch ahead of being asked
     for them (coalesced into few requests a pack); past it, entries are read one by one."""
-    return _int("READAHEAD_BYTES", 128 * 1024 * 1024)
+    return _int("READAHEAD_BYTES", 128 * 1024 * 1024, 0)
 
 
 def export_buffer_bytes() -> int:
     """Memory export keeps for the tensors it is decoding, casting and writing, reused from
     one tensor to the next (a tensor that alone needs more gets it, one at a time). 0, the
     default: room for the largest tensor and for a median one per ``cpu_threads``, at least 64 MiB."""
-    return _int("EXPORT_BUFFER_BYTES", 0)
+    return _int("EXPORT_BUFFER_BYTES", 0, 0)

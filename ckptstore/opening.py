@@ -35,6 +35,7 @@ def open(  # noqa: A001 - the public name
     local_keep: int | None = None,
     local_max_bytes: int | None = None,
     local_upload: str | None = None,
+    s3_timeout: float | None = None,
 ) -> Store:
     """Open (and by default create) the store at ``uri``: a path, ``file://`` or ``s3://bucket/prefix``.
 
@@ -42,6 +43,8 @@ def open(  # noqa: A001 - the public name
     under ``CKPTSTORE_CACHE``; steps committed elsewhere later appear on the next open); a
     missing or empty one loses nothing, and one SQLite cannot read is rebuilt.
     ``endpoint_url`` names an S3-compatible server (default: ``AWS_ENDPOINT_URL``, else AWS).
+    ``s3_timeout``: seconds an S3 request waits to connect and for each read of a reply
+    (default ``CKPTSTORE_S3_TIMEOUT``, 8; retried ``CKPTSTORE_S3_MAX_ATTEMPTS`` times in all).
 
     ``local`` (default ``CKPTSTORE_LOCAL``; "" for none) puts a local tier in front of the
     store: a node-local directory that commits write to and reads take from first, uploaded to
@@ -53,7 +56,8 @@ def open(  # noqa: A001 - the public name
     0: no limit) a commit waits for the uploads. A directory fronts one store: it records
     which, and refuses another.
 
-    Raises NotFoundError if the store (or its bucket) does not exist and ``create`` is false,
+    Raises BadInputError for a ``uri`` that is no path or URI string, NotFoundError if the
+    store (or its bucket) does not exist and ``create`` is false,
     UnsupportedError if it was written by a newer ckptstore format, StorageError if the
     storage cannot be reached or refuses access, BadInputError for a ``local`` directory that
     is the store itself, fronts another store or is a store of its own. A local tier that has
@@ -63,9 +67,9 @@ def open(  # noqa: A001 - the public name
     local = knobs.local_tier() if local is None else os.fspath(local)
     offline = False
     try:
-        objects = _open_objects(uri, create=create, endpoint_url=endpoint_url)
+        objects = _open_objects(uri, create=create, endpoint_url=endpoint_url, s3_timeout=s3_timeout)
     except StorageError as exc:
-        objects = _unreachable_remote(uri, local, endpoint_url, exc)
+        objects = _unreachable_remote(uri, local, endpoint_url, exc, s3_timeout)
         offline = True
     if not local:
         return Store(objects, sync.open_catalog(objects))
@@ -108,11 +112,19 @@ def rebuild_catalog(uri: str | os.PathLike, *, endpoint_url: str | None = None) 
     return sync.rebuild(sync.catalog_path(objects), objects)
 
 
-def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | None) -> ObjectStore:
+def _open_objects(
+    uri: str | os.PathLike, *, create: bool, endpoint_url: str | None, s3_timeout: float | None = None
+) -> ObjectStore:
+    if not isinstance(uri, str | os.PathLike):
+        raise BadInputError(
+            f"the store must be a path or a URI (a string or os.PathLike), not {type(uri).__name__}"
+        )
     uri = os.fspath(uri)
+    if not isinstance(uri, str):
+        raise BadInputError(f"the store must be a path or a URI string, not {type(uri).__name__}")
     if not uri:
         raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
-    objects = open_objects(uri, create=create, endpoint_url=endpoint_url)
+    objects = open_objects(uri, create=create, endpoint_url=endpoint_url, s3_timeout=s3_timeout)
     if getattr(objects, "root", None) is not None and objects.exists(REMOTE):
         remote, _ = paired_remote(objects)
         raise BadInputError(
@@ -123,13 +135,17 @@ def _open_objects(uri: str | os.PathLike, *, create: bool, endpoint_url: str | N
 
 
 def _unreachable_remote(
-    uri: str | os.PathLike, local: str, endpoint_url: str | None, error: StorageError
+    uri: str | os.PathLike,
+    local: str,
+    endpoint_url: str | None,
+    error: StorageError,
+    s3_timeout: float | None,
 ) -> ObjectStore:
     """The store at ``uri``, unchecked, when it cannot be reached but the local tier ``local``
     has fronted it before (training goes on into the tier); else ``error`` is raised."""
     if not (local and error.transient):
         raise error
-    remote = open_objects(os.fspath(uri), endpoint_url=endpoint_url, check=False)
+    remote = open_objects(os.fspath(uri), endpoint_url=endpoint_url, check=False, s3_timeout=s3_timeout)
     try:
         fronted, _ = paired_remote(LocalObjectStore(local, create=False))
     except CkptStoreError:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import auxfiles, strategies
+from . import auxfiles, errors, strategies
 from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
 from .commit.step import CommitReport, commit_step, submit_commit
@@ -38,8 +38,43 @@ from .verify import VerifyReport, verify
 __all__ = ["Store", "CommitReport", "VerifyReport"]
 
 
+#: The largest step: the catalog keeps steps as SQLite's signed 64-bit integers.
+MAX_STEP = 2**63 - 1
+
+
 def _step(step: Any) -> int:
-    return require_int(step, "a step", minimum=0)
+    return require_int(step, "a step", minimum=0, maximum=MAX_STEP)
+
+
+def _while_open(method):
+    """``method``, raising BadInputError once the store is closed (its catalog is released)."""
+
+    @functools.wraps(method)
+    def checked(self: Store, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise BadInputError(f"the store {self.objects.uri} was closed; open it again")
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+def _check_layers(layers: Any) -> strategies.Selection:
+    """``commit(layers=...)`` as a list of names, a strategy, a callable or None; BadInputError
+    for anything else (a string, names that are not strings)."""
+    if layers is None or isinstance(layers, strategies.Strategy) or callable(layers):
+        return layers
+    if isinstance(layers, str | bytes):
+        raise BadInputError("layers= takes a list of layer names, not a single string")
+    if not isinstance(layers, Iterable):
+        raise BadInputError(
+            "layers= takes a list of layer names, a strategy or a callable, not "
+            f"{errors.clip(repr(layers), 60)}"
+        )
+    names = list(layers)
+    wrong = [name for name in names if not isinstance(name, str)]
+    if wrong:
+        raise BadInputError(f"layers= takes layer names (strings), not {errors.clip(repr(wrong[0]), 60)}")
+    return names
 
 
 class Store:
@@ -76,41 +111,49 @@ class Store:
 
     # -- queries ---------------------------------------------------------------------------
 
+    @_while_open
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
         return self.catalog.steps()
 
+    @_while_open
     def sources(self, step: int) -> dict[str, int]:
         """Every layer of ``step`` -> the step whose tensors it uses. Raises NotFoundError."""
         return self.catalog.sources(_step(step))
 
+    @_while_open
     def log(self) -> list[StepRow]:
         """Summary of every committed step (time, layers saved, bytes added), oldest first.
         A step whose manifest cannot be read is left out and named in ``unreadable_steps``."""
         return self.catalog.log()
 
+    @_while_open
     def unreadable_steps(self) -> dict[int, str]:
         """Steps whose manifest exists but could not be read so far (step -> why): committed
         and damaged, not absent. ``log`` lists the others; reading one raises CorruptError."""
         return dict(self.catalog.unreadable)
 
+    @_while_open
     def show(self, step: int) -> list[LayerRow]:
         """Every layer of ``step``: the step it comes from, its stored bytes, and its update
         (relative change of its fp32 masters since its last save, measured at ``step``).
         Raises NotFoundError."""
         return self.catalog.layer_rows(_step(step))
 
+    @_while_open
     def resumable(self, step: int) -> bool:
         """Whether ``step`` resumes (materialize, restore); False for a weights-only step, which
         gc kept with its weights only (it still exports). Raises NotFoundError."""
         return not self.catalog.is_weights_only(_step(step))
 
+    @_while_open
     def files(self, step: int) -> list[FileRow]:
         """The auxiliary files kept with ``step``. Raises NotFoundError."""
         return self.catalog.files(_step(step))
 
     # -- commit ----------------------------------------------------------------------------
 
+    @_while_open
     def commit(
         self,
         engine: Any,
@@ -143,15 +186,19 @@ class Store:
         recording run in the background too. ``handle.result()`` or ``store.wait()`` waits
         and raises if that failed; the next commit and ``close()`` wait too.
 
-        Raises ConflictError if the step exists, BadInputError for unknown layers, a partial
-        first commit or unusable files, UnsupportedError for engines ckptstore cannot store.
-        On any error nothing is recorded.
+        Raises ConflictError if the step exists, BadInputError (before any work) for a step
+        outside 0..2**63-1, an ``engine`` that is no DeepSpeed engine, ``layers`` that are not
+        names, unknown layers, a partial first commit or unusable files, UnsupportedError for
+        engines ckptstore cannot store, StorageError when the store or its catalog cannot be
+        written (full disk, read-only). On any error nothing is recorded, except that a
+        StorageError from recording the catalog's rows after the manifest leaves the step
+        committed (the next open lists it). Every method of a closed store raises BadInputError.
         """
-        from .deepspeed.extract import extract
+        from .deepspeed.extract import check_is_engine, extract
 
-        if self._closed:
-            raise BadInputError("this store was closed; open it again")
         step = _step(step)
+        check_is_engine(engine)
+        layers = _check_layers(layers)
         options = dict(layers=layers, files=files, metrics=metrics)
         take_snapshot = functools.partial(extract, engine, client_state)
         if self.tier is not None:
@@ -171,6 +218,7 @@ class Store:
 
     # -- the local tier --------------------------------------------------------------------
 
+    @_while_open
     def drain(self, timeout: float | None = None) -> DrainReport | None:
         """Upload every step the local tier holds and the store lacks, oldest first, then keep
         only what the ``local_keep`` newest steps need locally; None without a local tier.
@@ -185,11 +233,13 @@ class Store:
         self.wait()
         return self.tier.drain(timeout) if self.tier is not None else None
 
+    @_while_open
     def pending(self) -> list[PendingStep]:
         """The steps committed to the local tier that the store does not have yet, oldest
         first, with their bytes and why their last upload failed; [] without a local tier."""
         return self.tier.pending() if self.tier is not None else []
 
+    @_while_open
     def locations(self) -> dict[int, str]:
         """Where each step is: ``"local"`` (only in this node's tier), ``"both"``, or
         ``"store"`` (only in the store). Every step is ``"store"`` without a local tier."""
@@ -205,6 +255,7 @@ class Store:
 
     # -- reading back ----------------------------------------------------------------------
 
+    @_while_open
     def materialize(
         self,
         step: int | None = None,
@@ -230,20 +281,24 @@ class Store:
         step, missing blob), BadInputError (a bad spec, or an ``out`` that is empty, is, holds
         or lies in the store, or holds the working directory: nothing is written),
         CorruptError (a blob fails verification, or an auxiliary file row names a path
-        ``auxfiles.refusal`` refuses: nothing is written), ConflictError (non-empty ``out``).
+        ``auxfiles.refusal`` refuses: nothing is written), ConflictError (non-empty ``out``),
+        StorageError naming ``out`` when it cannot be written (full disk, read-only file
+        system, permissions, ``ulimit -f``: nothing is left there). ``world_size`` is at most
+        the trainable parameter elements and under ``ulimit -n`` (BadInputError).
 
         A step saved through DCP (``integrations.dcp.StoreWriter``) becomes a standard DCP
         checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
         which loads at any world size: ``world_size`` and ``tag`` do not apply to it.
         """
         description = None if spec is not None else dcp_description(self.catalog, _step(step))
-        if description is not None:
-            return self._materialize_dcp(
-                _step(step), description, out, force=force, world_size=world_size, tag=tag
+        with outputs.writing(out, "materialize"):
+            if description is not None:
+                return self._materialize_dcp(
+                    _step(step), description, out, force=force, world_size=world_size, tag=tag
+                )
+            return materialize(
+                self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
             )
-        return materialize(
-            self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
-        )
 
     def _materialize_dcp(
         self, step: int, description: dict, out: Any, *, force: bool, world_size: Any, tag: Any
@@ -258,6 +313,7 @@ class Store:
         path = outputs.check_out(out, force=force, store_root=store_root, verb="materialize")
         return write_dcp_directory(self.objects, self.catalog, step, description, path)
 
+    @_while_open
     def export(
         self,
         step: int | None = None,
@@ -282,21 +338,18 @@ class Store:
         or export wrote, as for ``materialize``). Of a step saved through DCP, the weights are
         the full tensors of the state dict's ``model`` entry (``state_dict``), cast to ``dtype``
         (default: the dtype most were saved in). Raises NotFoundError (unknown step, missing
-        pack), BadInputError (bad dtype, size, spec or ``out``), CorruptError, ConflictError.
+        pack), BadInputError (bad dtype, size, spec or ``out``), CorruptError, ConflictError,
+        StorageError naming ``out`` when it cannot be written (as ``materialize``).
         """
         if out is None:
             raise BadInputError("export needs an output directory")
-        return export_folder(
-            self.objects,
-            self.catalog,
-            step,
-            out,
-            spec=spec,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            force=force,
-        )
+        with outputs.writing(out, "export"):
+            return export_folder(
+                self.objects, self.catalog, step, out,
+                spec=spec, dtype=dtype, max_shard_size=max_shard_size, force=force,
+            )  # fmt: skip
 
+    @_while_open
     def state_dict(
         self,
         step: int | None = None,
@@ -318,6 +371,7 @@ class Store:
             return dcp_state_dict(self.objects, self.catalog, step, description, parse_dtype(dtype))
         return state_dict(self.objects, self.catalog, step, dtype, spec)
 
+    @_while_open
     def restore(
         self,
         engine: Any,
@@ -354,6 +408,7 @@ class Store:
         step = None if step is None else _step(step)
         return restore_engine(self.objects, self.catalog, engine, step, spec=spec, options=options)
 
+    @_while_open
     def verify(self, *, deep: bool = True) -> VerifyReport:
         """Check every step's manifest, and every blob and auxiliary file the committed steps
         reference, and the catalog.
@@ -368,6 +423,7 @@ class Store:
 
     # -- retention -------------------------------------------------------------------------
 
+    @_while_open
     def gc(
         self,
         *,
@@ -396,20 +452,28 @@ class Store:
         Every step the catalog lacks is imported from its manifest first: CorruptError
         (nothing changed) while such a manifest cannot be read, or a kept step misses a blob.
         BadInputError through a local tier (``open(local=...)``): gc runs on the store itself.
+        StorageError (nothing changed) when the catalog cannot be written (full disk, read-only
+        mount); ``dry_run`` still works there.
         """
         self._refuse_tier("gc")
+        if not dry_run:
+            self.catalog.require_writable("gc")
         return collect(
             self.objects, self.catalog, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
             keep_best=keep_best, keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
             grace=grace_seconds(grace), dry_run=dry_run, allow_empty=allow_empty, now=now,
         )  # fmt: skip
 
+    @_while_open
     def delete(self, step: int, *, dry_run: bool = False) -> GcReport:
         """Drop one step's record; its blobs go at the next gc unless other steps need them.
 
-        Raises NotFoundError for an unknown step, BadInputError through a local tier.
+        Raises NotFoundError for an unknown step, BadInputError through a local tier,
+        StorageError when the catalog cannot be written (full disk, read-only mount).
         """
         self._refuse_tier("delete")
+        if not dry_run:
+            self.catalog.require_writable("delete")
         step = _step(step)
         self.catalog.description(step)  # NotFoundError names the known steps
         return collect(

@@ -4,11 +4,15 @@ Ranks of one job and a gc beside them open the same file: the connection waits f
 instead of failing, the journal is WAL, and writes take the lock from their first statement
 (``write_transaction``). The schema comes only from ``migrations/`` (shipped as
 ``ckptstore.catalog.migrations``); a file whose schema is newer than this code is refused.
+
+Storage faults (a full disk, a read-only mount, permissions) are StorageError, never taken
+for corruption; a catalog that cannot be written is read from an in-memory copy (``snapshot``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import time
@@ -17,39 +21,110 @@ from pathlib import Path
 
 from sqlite_utils import Database
 
-from ..errors import CorruptError, UnsupportedError
+from ..errors import CorruptError, StorageError, UnsupportedError, clip, storage_error
+
+log = logging.getLogger("ckptstore")
+
+# SQLite's primary result codes that say the storage failed, not the file's contents.
+_STORAGE_CODES = {
+    3: "permission denied",  # SQLITE_PERM
+    8: "read-only",  # SQLITE_READONLY
+    10: "disk I/O error",  # SQLITE_IOERR
+    13: "disk full",  # SQLITE_FULL
+    14: "cannot be opened",  # SQLITE_CANTOPEN
+}
 
 
 def connect(path: Path) -> Database:
     """The database at ``path``, created or migrated to the current schema.
 
-    Raises UnsupportedError for a newer schema, CorruptError for a file SQLite cannot read.
+    Raises UnsupportedError for a newer schema, CorruptError for a file SQLite cannot read,
+    StorageError when the file or its folder cannot be opened or written (full disk,
+    read-only mount, permissions: ``storage_fault``).
     """
-    from .migrations import migrations
-
     _check_length(path)
+    connection = None
     try:
         # check_same_thread=False: a non-blocking commit records its step from its background
         # thread; the store never runs two commits at once.
-        db = Database(sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False))
+        connection = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
+        db = Database(connection)
         db.execute("PRAGMA busy_timeout=60000")
         _enable_wal(db)
         db.execute("PRAGMA synchronous=FULL")
-        schema = migrations()
-        known = {m.name for m in schema._migrations}
-        newer = [m.name for m in schema.applied(db) if m.name not in known]
-        if newer:
-            raise UnsupportedError(
-                f"the catalog {path} has schema migrations this ckptstore does not know "
-                f"({', '.join(newer)}); upgrade ckptstore to open it"
-            )
-        if schema.pending(db):
-            # One writer at a time: the others wait here and then find nothing pending.
-            with write_transaction(db):
-                schema.apply(db)
-    except sqlite3.DatabaseError as exc:
-        raise CorruptError(f"catalog {path} cannot be opened: {exc}") from None
+        db.ckptstore_path = path  # named by write_transaction's errors
+        _migrate(db, path)
+    except BaseException as exc:
+        # Closed now, not when the error is collected: an open catalog keeps its files (and
+        # their file system) busy.
+        if connection is not None:
+            connection.close()
+        if not isinstance(exc, sqlite3.DatabaseError):
+            raise
+        if storage_fault(exc):
+            raise StorageError(f"cannot open the catalog {path}: {clip(str(exc))}") from None
+        raise CorruptError(f"catalog {path} cannot be opened: {clip(str(exc))}") from None
     return db
+
+
+def snapshot(path: Path) -> Database:
+    """An in-memory copy of the database at ``path`` at the current schema, for reading a
+    catalog that cannot be written (full disk, read-only mount): what is written to it is lost
+    at close. A missing or unreadable file gives an empty one (the caller lists the manifests
+    into it). Raises UnsupportedError for a newer schema."""
+    memory = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    # mode=ro reads the write-ahead log too, but needs its shared-memory file or a folder it may
+    # create one in; immutable=1 reads a file on read-only media (SQLite then skips the log).
+    for query in ("mode=ro", "immutable=1"):
+        try:
+            source = sqlite3.connect(f"{path.absolute().as_uri()}?{query}", uri=True)
+            try:
+                source.backup(memory)
+                break
+            finally:
+                source.close()
+        except sqlite3.DatabaseError as exc:
+            log.debug("ckptstore: cannot copy the catalog %s with %s: %s", path, query, exc)
+    db = Database(memory)
+    db.ckptstore_path = path
+    try:
+        _migrate(db, path)
+    except sqlite3.DatabaseError:  # a damaged copy: start empty, the manifests fill it
+        memory.close()
+        db = Database(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False))
+        db.ckptstore_path = path
+        _migrate(db, path)
+    return db
+
+
+def _migrate(db: Database, path: Path) -> None:
+    """Bring ``db`` to the current schema; UnsupportedError if it is newer than this code."""
+    from .migrations import migrations
+
+    schema = migrations()
+    known = {m.name for m in schema._migrations}
+    newer = [m.name for m in schema.applied(db) if m.name not in known]
+    if newer:
+        raise UnsupportedError(
+            f"the catalog {path} has schema migrations this ckptstore does not know "
+            f"({clip(', '.join(newer))}); upgrade ckptstore to open it"
+        )
+    if schema.pending(db):
+        # One writer at a time: the others wait here and then find nothing pending.
+        with write_transaction(db):
+            schema.apply(db)
+
+
+def storage_fault(exc: BaseException) -> bool:
+    """Whether a SQLite error says the storage failed (disk full, I/O error, read-only,
+    permission, cannot open) rather than that the file's contents are bad."""
+    if not isinstance(exc, sqlite3.OperationalError | sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _STORAGE_CODES
+    text = str(exc)
+    return any(words in text for words in ("disk is full", "disk I/O", "readonly", "unable to open"))
 
 
 def _check_length(path: Path) -> None:
@@ -102,14 +177,45 @@ def write_transaction(db: Database) -> Iterator[None]:
     deferred transaction (sqlite-utils' ``atomic``) a reader that then writes fails at once
     with "database is locked" when another process wrote meanwhile, whatever the busy
     timeout; BEGIN IMMEDIATE waits for the lock instead, then reads the other's rows.
+    StorageError, with nothing written, when the disk is full or the file cannot be written.
     """
     if db.conn.in_transaction:  # nested: the outer transaction holds the lock
         yield
         return
-    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            _rollback(db)
+            raise
+        try:
+            db.execute("COMMIT")
+        except sqlite3.DatabaseError:
+            _rollback(db)
+            raise
+    except sqlite3.DatabaseError as exc:
+        if not storage_fault(exc):
+            raise
+        path = getattr(db, "ckptstore_path", "(in memory)")
+        raise StorageError(f"cannot write the catalog {path}: {clip(str(exc))}") from None
+
+
+@contextlib.contextmanager
+def storage_faults(path: Path, action: str) -> Iterator[None]:
+    """Raise what fails inside as StorageError naming ``path`` when it is a storage fault (an
+    OSError, or a SQLite error that ``storage_fault`` says is one); anything else unchanged."""
     try:
         yield
-    except BaseException:
+    except OSError as exc:
+        raise storage_error(action, exc.filename or path, exc) from None
+    except sqlite3.DatabaseError as exc:
+        if not storage_fault(exc):
+            raise
+        raise StorageError(f"cannot {action} {path}: {clip(str(exc))}") from None
+
+
+def _rollback(db: Database) -> None:
+    # SQLite may have rolled back already (a full disk ends the transaction): nothing to undo then.
+    if db.conn.in_transaction:
         db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")

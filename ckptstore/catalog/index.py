@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..errors import ConflictError, CorruptError, NotFoundError
+from ..errors import ConflictError, CorruptError, NotFoundError, StorageError
 from ..format import layerpacks
 from ..layers import layer_of
 from ..model import BlobRow, StepRecord, group_by_source
@@ -31,14 +31,24 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
     A step's own rows are read in ``steps.StepQueries``, the queries of format-2 pack indexes
     are in ``packs.LayerPackQueries``."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: str | None = None) -> None:
+        """Open the catalog at ``path`` (``database.connect``: UnsupportedError, CorruptError,
+        StorageError). ``read_only``, why the file cannot be written: read an in-memory copy of
+        it instead (``database.snapshot``), which writers refuse (``require_writable``)."""
         self.path = Path(path)
+        #: Why this catalog is an in-memory copy of a file that cannot be written; None: it is not.
+        self.read_only = read_only
         # Imports listed steps that are not recorded yet (catalog.sync); None: nothing is listed.
         self.loader: Callable[[list[int]], None] | None = None
         # Steps whose manifest is listed but could not be read, met by this process -> why:
         # such a step is committed and damaged, not absent (``_require``, ``log``).
         self.unreadable: dict[int, str] = {}
-        self.db = database.connect(self.path)
+        self.db = database.snapshot(self.path) if read_only else database.connect(self.path)
+
+    def require_writable(self, verb: str) -> None:
+        """StorageError if this catalog is a read-only copy (``read_only``): ``verb`` would write it."""
+        if self.read_only:
+            raise StorageError(f"{verb} needs to write the catalog, and {self.read_only}")
 
     def write_transaction(self) -> contextlib.AbstractContextManager:
         """One transaction holding the write lock from its first statement (``database``)."""
@@ -69,7 +79,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         return self.db.execute("SELECT 1 FROM steps WHERE step = ?", [step]).fetchone() is not None
 
     def load(self, steps: Iterable[int] | None = None) -> None:
-        """Import the listed steps not recorded yet: all of them, or those among ``steps``."""
+        """Import the listed steps not recorded yet: all of them, or those among ``steps``.
+        Where the file cannot take them (StorageError: a full disk), the catalog goes on as
+        an in-memory copy (``read_only``) that holds them."""
         if self.loader is None:
             return
         sql = "SELECT step FROM listed_steps WHERE step NOT IN (SELECT step FROM steps) ORDER BY step"
@@ -77,7 +89,17 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         if steps is not None:
             wanted = set(steps)
             pending = [step for step in pending if step in wanted]
-        if pending:
+        if not pending:
+            return
+        try:
+            self.loader(pending)
+        except StorageError as exc:
+            # The disk filled (or became read-only) since the open: read on from a copy.
+            if self.read_only or self.db.conn.in_transaction:
+                raise
+            self.db.close()
+            self.db = database.snapshot(self.path)
+            self.read_only = str(exc)
             self.loader(pending)
 
     def set_listed(self, steps: dict[int, int]) -> None:

@@ -21,6 +21,7 @@ corrupt catalog (the local store's ``catalog.db`` included).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -34,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import auxfiles, knobs
-from ..errors import CorruptError, NotFoundError, UnsupportedError
+from ..errors import BadInputError, CorruptError, NotFoundError, StorageError, UnsupportedError, storage_error
 from ..format import layout, manifest
 from ..model import StepRecord
 from ..objects import ObjectStore
+from .database import storage_faults
 from .index import Catalog
 
 log = logging.getLogger("ckptstore")
@@ -198,9 +200,39 @@ def open_catalog(objects: ObjectStore) -> Catalog:
     A catalog SQLite cannot read is rebuilt from the manifests, under the store's exclusive
     lock so that the processes of one job do it once; a shared catalog's damaged file is kept
     beside it (``catalog.db.damaged-<time>``) for inspection.
+
+    A catalog that cannot be written (a full disk, a read-only mount or cache folder) is read
+    from an in-memory copy synced the same way (``Catalog(read_only=...)``): every query
+    answers, and verbs that write the catalog raise StorageError. BadInputError for a
+    ``CKPTSTORE_CACHE`` that cannot hold a folder (a file in the way).
     """
     path = catalog_path(objects)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        catalog = _open_writable(path, objects)
+    except StorageError as exc:
+        # Reading needs no write: a full or read-only store still answers log, verify, materialize.
+        log.info("ckptstore: reading an in-memory copy of the catalog (%s)", exc)
+        catalog = Catalog(path, read_only=str(exc))
+        try:
+            sync(catalog, objects)
+        except BaseException:
+            catalog.close()
+            raise
+    catalog.loader = lambda steps: load_steps(catalog, objects, steps)
+    return catalog
+
+
+def _open_writable(path: Path, objects: ObjectStore) -> Catalog:
+    """The catalog file at ``path``, created, rebuilt if corrupt, and synced; StorageError if
+    it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.EEXIST) and not catalog_is_shared(objects):
+            raise BadInputError(
+                f"CKPTSTORE_CACHE={knobs.cache_dir()} cannot hold the catalog {path}: a file is in the way"
+            ) from None
+        raise storage_error("create the catalog folder", path.parent, exc) from None
     try:
         catalog = Catalog(path)
     except CorruptError as exc:
@@ -216,7 +248,6 @@ def open_catalog(objects: ObjectStore) -> Catalog:
     except BaseException:
         catalog.close()
         raise
-    catalog.loader = lambda steps: load_steps(catalog, objects, steps)
     return catalog
 
 
@@ -230,9 +261,14 @@ def rebuild(path: Path, objects: ObjectStore, *, keep_damaged: bool = True) -> S
     (``kept_aside``) rather than deleted. A manifest written by a newer ckptstore raises
     UnsupportedError and changes nothing. The new catalog is built beside the old one and
     renamed over it, so a failure leaves the old one as it was. Run it while no other process
-    has the catalog open.
+    has the catalog open. StorageError (nothing replaced) when it cannot be written.
     """
     path = Path(path)
+    with storage_faults(path, "rebuild the catalog"):
+        return _rebuild(path, objects, keep_damaged)
+
+
+def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport:
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = path.with_name(f"{path.name}.rebuild-{uuid.uuid4().hex[:8]}{knobs.tmp_suffix()}")
     report = SyncReport()

@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, clip, redact
 from . import checkpoints, checks, retention, steps, tier  # noqa: F401  (each registers its commands)
 from .base import EXIT_INTERNAL, cli
 
@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except CkptStoreError as exc:
-        click.echo(f"error: {exc}", err=True)
+        # One line of a few hundred characters, never an endpoint's user:password@.
+        click.echo(f"error: {clip(redact(str(exc)), 380)}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("CKPTSTORE_DEBUG"):
             raise
         click.echo(
-            f"internal error: {type(exc).__name__}: {exc} (set CKPTSTORE_DEBUG=1 for a traceback)", err=True
+            f"internal error: {type(exc).__name__}: {clip(redact(str(exc)), 300)} (set CKPTSTORE_DEBUG=1 for a traceback)",
+            err=True,
         )
         sys.exit(EXIT_INTERNAL)

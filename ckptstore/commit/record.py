@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 
 from ..catalog import Catalog
-from ..errors import BadInputError, ConflictError
+from ..errors import BadInputError, ConflictError, StorageError
 from ..format import manifest
 from ..format.layout import manifest_name
 from ..model import FileRow, LayerPacks, StepRecord, Updates, layers_by_source
@@ -91,7 +91,8 @@ def publish(
     The step is committed once the manifest is written; if recording the rows fails after
     that, the error is raised but the step stays committed (the next open lists it).
     ``samples``: the update-statistics samples of the layers it saved. Raises ConflictError if
-    another writer committed the step first; that writer's manifest is left as it is.
+    another writer committed the step first; that writer's manifest is left as it is;
+    StorageError saying the step is committed when the catalog cannot record it (disk full).
     """
     name = manifest_name(record.step)
     data = manifest.encode(record)
@@ -102,5 +103,12 @@ def publish(
             "writer after this store was opened"
         )
     # Another process sharing the catalog may have imported the manifest already.
-    catalog.record_step(record, samples=samples, if_absent=True)
+    try:
+        catalog.record_step(record, samples=samples, if_absent=True)
+    except StorageError as exc:
+        raise StorageError(
+            f"step {record.step} is committed (its manifest {name} is written) but not recorded: {exc}; "
+            "the next open of the store lists it",
+            transient=exc.transient,
+        ) from None
     return data

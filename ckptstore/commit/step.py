@@ -132,8 +132,15 @@ def commit_step(
     """
     what = f"commit of step {step}"
     own = _RankCommit(objects, catalog, step, background)
+
+    def sample() -> Any:
+        # Inside the first collective step: a rank whose own catalog cannot be written (its
+        # disk is full) makes every rank raise, rather than leave the others waiting for it.
+        catalog.require_writable("commit")
+        return own.sample(take_snapshot, files, metrics)
+
     with objects.lock(exclusive=False):
-        sampled = ranks.on_every_rank(what, lambda: own.sample(take_snapshot, files, metrics))
+        sampled = ranks.on_every_rank(what, sample)
         shares = ranks.on_every_rank(what, lambda: own.store(sampled, layers))
         created = {key: size for share in shares for key, size in share.stored.created.items()}
         plan = own.plan

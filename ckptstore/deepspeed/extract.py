@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedError
+from ..errors import BadInputError, UnsupportedError
 from ..format import plainstate
 from ..format.codec import dtype_name
 from ..model import BUFFER, FP32, WEIGHT, Piece, Snapshot
@@ -39,6 +39,16 @@ _LAYOUT_OPTIM_KEYS = {
     "param_slice_mappings", "param_alignment_paddings", "optimizer_state_dict", "fp32_flat_groups",
     "fp32_groups_flat",
 }  # fmt: skip
+
+
+def check_is_engine(engine: Any) -> None:
+    """BadInputError unless ``engine`` looks like a DeepSpeed engine (what ``deepspeed.initialize``
+    returns): a model alone, or None, has no optimizer or ZeRO state to commit."""
+    needed = ("module", "optimizer", "zero_optimization_stage", "module_state_dict")
+    if engine is None or not all(hasattr(engine, attribute) for attribute in needed):
+        raise BadInputError(
+            f"engine must be a DeepSpeed engine (what deepspeed.initialize returns), not {type(engine).__name__}"
+        )
 
 
 def optimizer_flavour(engine: Any) -> str:

@@ -9,7 +9,9 @@ checkpoint. Where the output may go and what ``force`` may replace: ``outputs``.
 from __future__ import annotations
 
 import json
+import math
 import os
+import resource
 import shutil
 from collections.abc import Collection
 from pathlib import Path
@@ -44,9 +46,11 @@ def materialize(
 
     step, sources = compose.step_or_spec(step, spec, catalog, "materialize")
     if world_size is not None:
-        require_int(world_size, "the world size", minimum=1)
+        require_int(world_size, "world_size", minimum=1)
     check_resumable(catalog, step, sources)
     description = json.loads(catalog.description(step))
+    if world_size is not None:
+        check_world_size(world_size, description)
     out = outputs.check_out(out, force=force, store_root=getattr(objects, "root", None), verb="materialize")
     tag = f"global_step{step}" if tag is None else tag
     files = catalog.files(step)
@@ -63,6 +67,24 @@ def materialize(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def check_world_size(world_size: int, description: dict) -> None:
+    """BadInputError unless a checkpoint of ``description`` can be written for ``world_size``
+    ranks: at most one rank per trainable parameter element, and, since a rank's files are
+    written at once, fewer ranks than the files this process may open (``ulimit -n``)."""
+    elements = sum(math.prod(p["shape"]) for p in description["params"].values() if p.get("trainable"))
+    files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limits = [(max(1, elements), "one rank per trainable parameter element")]
+    if files != resource.RLIM_INFINITY:
+        limits.append((max(1, files - _SPARE_FILES), f"one open file per rank, ulimit -n is {files}"))
+    limit, why = min(limits)
+    if world_size > limit:
+        raise BadInputError(f"world_size must be at most {limit} ({why}), not {world_size}")
+
+
+# Files a materialize keeps open besides one per rank (the store's objects, the interpreter's).
+_SPARE_FILES = 64
 
 
 def check_resumable(catalog: Catalog, step: int, sources: dict[str, int] | None = None) -> None:

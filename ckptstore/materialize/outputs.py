@@ -11,15 +11,17 @@ same parent removes those of its own OUT name older than the gc grace period
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from .. import auxfiles, knobs
-from ..errors import BadInputError, ConflictError
+from ..errors import BadInputError, ConflictError, StorageError, clip, storage_error
 
 # In every folder materialize or export writes; neither DeepSpeed's load_checkpoint (which reads
 # ``latest`` and the tag folder) nor from_pretrained (which reads named files) looks at it.
@@ -37,6 +39,7 @@ def check_out(out: str | os.PathLike | None, *, force: bool, store_root: Path | 
     if out is None or not os.fspath(out):
         raise BadInputError(f"{verb} needs an output directory (an empty path names none)")
     path = Path(out).absolute()
+    _check_folder_path(path, verb)
     real = Path(os.path.realpath(path))
     if store_root is not None:
         root = Path(os.path.realpath(store_root))
@@ -54,6 +57,38 @@ def check_out(out: str | os.PathLike | None, *, force: bool, store_root: Path | 
             "one: remove it yourself or choose another output"
         )
     return path
+
+
+def _check_folder_path(path: Path, verb: str) -> None:
+    """BadInputError if ``path`` cannot become a folder: it is a dangling symbolic link, or its
+    nearest existing ancestor is not a folder (a file, a dangling link)."""
+    if path.is_symlink() and not path.exists():
+        raise BadInputError(f"{verb}: the output {path} is a symbolic link to nothing ({os.readlink(path)})")
+    ancestor = path.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BadInputError(f"{verb}: cannot create the output {path}: {ancestor} is not a folder")
+
+
+@contextlib.contextmanager
+def writing(out: str | os.PathLike | None, verb: str) -> Iterator[None]:
+    """Raise what fails while writing output ``out`` as StorageError naming it: an OSError
+    (full disk, read-only file system, permissions, ``ulimit -f``), or the RuntimeError torch's
+    checkpoint writer raises for a failed write ("unexpected pos", "file write failed")."""
+    try:
+        yield
+    except OSError as exc:
+        where = f"{out} ({exc.filename})" if exc.filename else out
+        raise storage_error(f"{verb} into", where, exc) from None
+    except RuntimeError as exc:
+        text = str(exc)
+        if "inline_container" not in text and "file write failed" not in text:
+            raise
+        raise StorageError(
+            f"cannot {verb} into {out}: a file could not be written (no space left, a file size limit "
+            f"or an I/O error: {clip(text.splitlines()[0], 80)})"
+        ) from None
 
 
 def staging_dir(out: Path) -> Path:

@@ -229,20 +229,26 @@ def check_name(name: str) -> str:
 
 
 def open_objects(
-    uri: str, *, create: bool = True, endpoint_url: str | None = None, check: bool = True
+    uri: str,
+    *,
+    create: bool = True,
+    endpoint_url: str | None = None,
+    check: bool = True,
+    s3_timeout: float | None = None,
 ) -> ObjectStore:
     """The backend for ``uri``: a local path, a ``file://`` URI or ``s3://bucket/prefix``.
 
     ``endpoint_url`` (S3 only) names an S3-compatible server; by default boto3 takes it from
     ``AWS_ENDPOINT_URL`` or talks to AWS. ``check`` False (S3 only) skips asking the server
     whether the bucket and store exist (a local tier opening while it cannot be reached).
+    ``s3_timeout``: seconds to connect and per read (default ``CKPTSTORE_S3_TIMEOUT``).
     """
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
         # boto3 is imported only by stores that need it.
         from .s3 import S3ObjectStore
 
-        return S3ObjectStore(uri, create=create, endpoint_url=endpoint_url, check=check)
+        return S3ObjectStore(uri, create=create, endpoint_url=endpoint_url, check=check, timeout=s3_timeout)
     if endpoint_url is not None:
         raise BadInputError(f"endpoint_url applies to s3:// stores, not to {uri!r}")
     if parsed.scheme in ("", "file") or (len(parsed.scheme) == 1 and uri[1:3] in (":\\", ":/")):

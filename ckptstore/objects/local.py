@@ -17,12 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import knobs
-from ..errors import BadInputError, NotFoundError, StorageError
+from ..errors import BadInputError, NotFoundError, StorageError, storage_error
 from . import Data, FileRange, ObjectInfo, ObjectStore, check_name
-
-# Out of space, quota and permission problems do not go away by retrying.
-_PERMANENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
-
 
 # A range at least this long is mapped rather than read: the decoder then reads the page
 # cache in place instead of a copy of it in fresh memory (for a restore, ~a quarter of the
@@ -37,12 +33,6 @@ def _mapped(fd: int, start: int, end: int) -> memoryview:
     base = start - start % mmap.ALLOCATIONGRANULARITY
     mapping = mmap.mmap(fd, end - base, offset=base, access=mmap.ACCESS_READ)
     return memoryview(mapping)[start - base : end - base]
-
-
-def _storage_error(action: str, name: str, exc: OSError) -> StorageError:
-    return StorageError(
-        f"cannot {action} {name}: {exc.strerror or exc}", transient=exc.errno not in _PERMANENT
-    )
 
 
 def _write_all(fd: int, parts: list) -> None:
@@ -118,7 +108,10 @@ class LocalObjectStore(ObjectStore):
             try:
                 self.root.mkdir(parents=True, exist_ok=True)  # other ranks may create it at the same moment
             except OSError as exc:
-                raise _storage_error("create store directory", str(self.root), exc) from None
+                raise storage_error("create the store directory", self.root, exc) from None
+
+    def _error(self, action: str, name: str, exc: OSError) -> StorageError:
+        return storage_error(action, self.root / name, exc)
 
     def _path(self, name: str) -> Path:
         return self.root.joinpath(*check_name(name).split("/"))
@@ -145,7 +138,7 @@ class LocalObjectStore(ObjectStore):
                 created = False  # another writer finished the same content first
             _fsync_dir(path.parent)
         except OSError as exc:
-            raise _storage_error("write", name, exc) from None
+            raise self._error("write", name, exc) from None
         finally:
             tmp.unlink(missing_ok=True)
         if not created:
@@ -160,6 +153,8 @@ class LocalObjectStore(ObjectStore):
             os.utime(path)
         except FileNotFoundError:
             return False
+        except OSError as exc:
+            raise storage_error("freshen", path, exc) from None
         return True
 
     def touch(self, name: str) -> int | None:
@@ -175,7 +170,17 @@ class LocalObjectStore(ObjectStore):
     def lock(self, *, exclusive: bool) -> Iterator[None]:
         # flock is released by the kernel when the process dies, so a killed commit or gc
         # never leaves the store locked.
-        with open(self.root / "lock", "a") as handle:
+        try:
+            handle = open(self.root / "lock", "a")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise self._error("open the lock file", "lock", exc) from None
+            # flock needs no write access: a store on a read-only mount still takes its lock.
+            try:
+                handle = open(self.root / "lock")  # noqa: SIM115 - closed below
+            except OSError:
+                raise self._error("open the lock file", "lock", exc) from None
+        with handle:
             fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
                 yield
@@ -189,7 +194,7 @@ class LocalObjectStore(ObjectStore):
         except FileNotFoundError:
             raise NotFoundError(f"object {name} is missing from {self.uri}") from None
         except OSError as exc:
-            raise _storage_error("read", name, exc) from None
+            raise self._error("read", name, exc) from None
 
     def get_range(self, name: str, start: int, length: int) -> bytes | memoryview:
         path = self._path(name)
@@ -198,7 +203,7 @@ class LocalObjectStore(ObjectStore):
         except FileNotFoundError:
             raise NotFoundError(f"object {name} is missing from {self.uri}") from None
         except OSError as exc:
-            raise _storage_error("read", name, exc) from None
+            raise self._error("read", name, exc) from None
         try:
             end = min(start + length, os.fstat(fd).st_size)
             if end - start >= _MAP_AT_LEAST:
@@ -212,7 +217,7 @@ class LocalObjectStore(ObjectStore):
                 done += len(chunk)
             return b"".join(chunks)
         except OSError as exc:
-            raise _storage_error("read", name, exc) from None
+            raise self._error("read", name, exc) from None
         finally:
             os.close(fd)
 
@@ -227,7 +232,7 @@ class LocalObjectStore(ObjectStore):
         try:
             self._path(name).unlink(missing_ok=True)
         except OSError as exc:
-            raise _storage_error("delete", name, exc) from None
+            raise self._error("delete", name, exc) from None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         suffix = knobs.tmp_suffix()
@@ -274,4 +279,4 @@ class LocalObjectStore(ObjectStore):
             try:
                 self.root.joinpath(*parts).unlink(missing_ok=True)
             except OSError as exc:
-                raise _storage_error("delete", name, exc) from None
+                raise self._error("delete", name, exc) from None

@@ -26,6 +26,8 @@ are never listed; a bucket lifecycle rule (AbortIncompleteMultipartUpload) recla
 
 Retries: botocore's default mode is still ``legacy``; ``standard`` is set explicitly (retries
 5xx, throttling such as 503 SlowDown, timeouts and connection errors, with jittered backoff).
+Connecting and each read of a reply time out after ``s3_timeout`` seconds (``CKPTSTORE_S3_TIMEOUT``,
+8), not botocore's 60, so a silent endpoint fails a call within a minute, retries included.
 Errors come out as ckptstore errors: a missing bucket or key is NotFoundError; 403 and bad or
 missing credentials a permanent StorageError; what survives the retries a transient one.
 """
@@ -33,6 +35,7 @@ missing credentials a permanent StorageError; what survives the retries a transi
 from __future__ import annotations
 
 import io
+import math
 import re
 import threading
 import time
@@ -52,7 +55,7 @@ from botocore.exceptions import (
 )
 
 from .. import knobs
-from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError
+from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError, redact
 from . import Data, DataReader, FileRange, ObjectInfo, ObjectStore, check_name, data_size, joined
 from .retry import retry
 from .s3_errors import STREAM_ERRORS, error_code, is_conflict, is_missing, is_precondition_failed, translate
@@ -80,6 +83,13 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, f"{prefix}/" if prefix else ""
 
 
+def check_timeout(timeout: Any) -> float:
+    """``timeout`` (seconds) if it is a finite positive number; BadInputError otherwise."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+        raise BadInputError(f"s3_timeout must be a positive number of seconds, not {timeout!r}")
+    return float(timeout)
+
+
 def _create_only(params: dict, **_: Any) -> None:
     # Every object this backend writes is create-only; see the module docstring.
     params.setdefault("IfNoneMatch", "*")
@@ -89,10 +99,17 @@ class S3ObjectStore(ObjectStore):
     """An ObjectStore over a key prefix of an existing S3 bucket."""
 
     def __init__(
-        self, uri: str, *, create: bool = True, endpoint_url: str | None = None, check: bool = True
+        self,
+        uri: str,
+        *,
+        create: bool = True,
+        endpoint_url: str | None = None,
+        check: bool = True,
+        timeout: float | None = None,
     ) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.timeout = knobs.s3_timeout() if timeout is None else check_timeout(timeout)
         self.client = self._new_client(endpoint_url)
         # What boto3 resolved (endpoint_url=, AWS_ENDPOINT_URL, or AWS for the region).
         self.endpoint: str = self.client.meta.endpoint_url
@@ -110,10 +127,13 @@ class S3ObjectStore(ObjectStore):
         if check:  # False: a local tier opens while S3 cannot be reached, and checks later
             self._open(create)
 
-    @staticmethod
-    def _new_client(endpoint_url: str | None):
+    def _new_client(self, endpoint_url: str | None):
         config = Config(
             retries={"mode": "standard", "total_max_attempts": knobs.s3_max_attempts()},
+            # botocore waits 60 s for a connection and for each read by default, and retries
+            # those: an endpoint that never answers would stall each call for minutes.
+            connect_timeout=self.timeout,
+            read_timeout=self.timeout,
             # io_threads objects at once, each with up to s3_part_threads parts in flight.
             max_pool_connections=knobs.io_threads() * knobs.s3_part_threads() + 4,
         )
@@ -132,7 +152,7 @@ class S3ObjectStore(ObjectStore):
             code, status = error_code(exc)
             if status == 404 or code == "NoSuchBucket":
                 raise NotFoundError(
-                    f"bucket {self.bucket} does not exist at {self.endpoint} "
+                    f"bucket {self.bucket} does not exist at {redact(self.endpoint)} "
                     "(ckptstore never creates buckets: create it first)"
                 ) from None
             raise self._error("open", "", exc) from None
@@ -404,4 +424,4 @@ class S3ObjectStore(ObjectStore):
                 raise self._error("abort the upload of", name, exc) from None
 
     def __repr__(self) -> str:
-        return f"S3ObjectStore({self.uri!r}, endpoint={self.endpoint!r})"
+        return f"S3ObjectStore({self.uri!r}, endpoint={redact(self.endpoint)!r})"

@@ -19,7 +19,7 @@ from botocore.exceptions import (
 )
 
 from .. import knobs
-from ..errors import CkptStoreError, NotFoundError, StorageError
+from ..errors import CkptStoreError, NotFoundError, StorageError, clip, redact
 
 ACCESS_CODES = {
     "AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
@@ -63,7 +63,16 @@ def translate(
     exc: Exception, *, action: str, name: str, uri: str, bucket: str, endpoint: str
 ) -> CkptStoreError:
     """The ckptstore error for ``exc``, raised while trying to ``action`` object ``name`` of
-    the store at ``uri`` (``name`` "" for the store itself)."""
+    the store at ``uri`` (``name`` "" for the store itself). Its message never holds the
+    userinfo (``user:password@``) of an endpoint URL, and stays a few hundred characters."""
+    error = _translate(exc, action=action, name=name, uri=uri, bucket=bucket, endpoint=redact(endpoint))
+    error.args = (clip(redact(str(error)), 400),)
+    return error
+
+
+def _translate(
+    exc: Exception, *, action: str, name: str, uri: str, bucket: str, endpoint: str
+) -> CkptStoreError:
     where = f"{uri}/{name}" if name else uri
     if isinstance(exc, ClientError):
         code, status = error_code(exc)
