@@ -278,6 +278,21 @@ def test_a_disk_that_fills_while_the_catalog_row_is_written_is_a_storage_error(
     assert_consistent(run, store, [1, 2])
 
 
+def test_a_disk_that_fills_while_packs_are_written_is_a_storage_error_and_commits_nothing(
+    run, engine, tmp_path
+):
+    # A commit encodes each pack into a spill file beside the store's objects: that write is
+    # the first to meet a full disk, and says which pack and where.
+    store = tmp_path / "fresh"
+    with ckptstore.open(store) as opened:
+        with file_size_limit(4096), pytest.raises(StorageError) as caught:
+            opened.commit(engine, step=1)
+    message = str(caught.value)
+    assert "spill pack packs/" in message and str(store) in message
+    assert "\n" not in message and len(message) < LONGEST_MESSAGE
+    assert_consistent(run, store, [])
+
+
 # -- a read-only store -----------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import knobs
+from ..errors import storage_error
 from ..format import codec, pack
 from ..format.layout import pack_name
 from ..layers import layer_of
@@ -92,11 +93,15 @@ def store_pieces(
             # Encoding runs on its own threads, one per CPU slot: glibc gives each thread that
             # allocates large buffers an arena it keeps, so encoding on all the I/O threads
             # grew the process by several packs' worth (measured: 391 MB against 128 MB).
-            with tempfile.TemporaryFile(dir=objects.spill_directory, buffering=0) as body:
-                head, length = encoder.submit(encode, members, body.fileno()).result()
-                parts = [head, FileRange(body.fileno(), 0, length)]
-                created = objects.put_if_absent(pack_name(key), parts)
-                size = data_size(parts)
+            try:
+                with tempfile.TemporaryFile(dir=objects.spill_directory, buffering=0) as body:
+                    head, length = encoder.submit(encode, members, body.fileno()).result()
+                    parts = [head, FileRange(body.fileno(), 0, length)]
+                    created = objects.put_if_absent(pack_name(key), parts)
+                    size = data_size(parts)
+            except OSError as exc:  # the spill file's disk is full, read-only, past ulimit -f
+                spill = objects.spill_directory or tempfile.gettempdir()
+                raise storage_error(f"spill pack {pack_name(key)} into", spill, exc) from None
         entries = [
             (p.name, p.kind, codec.dtype_name(p.tensor.dtype), p.start, p.tensor.numel()) for p, _ in members
         ]
