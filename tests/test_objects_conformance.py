@@ -129,6 +129,9 @@ def test_parts_spilled_to_a_file_are_copied_from_it_small_or_multipart(backend, 
         assert backend.objects.get("packs/ab/big") == b"head" + body
         assert backend.objects.put_if_absent("packs/ab/big", big) is False
         assert backend.objects.info("packs/ab/big").size == 4 + len(body)
+    # A mapped object (what a tier uploads from) is streamed the same way.
+    assert backend.objects.put_if_absent("packs/ab/mapped", memoryview(body)) is True
+    assert backend.objects.get("packs/ab/mapped") == body
 
 
 def test_a_range_of_an_object_is_read_alone(backend):

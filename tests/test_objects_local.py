@@ -77,3 +77,29 @@ def test_a_long_range_past_the_end_gives_what_there_is(objects):
     objects.put_if_absent("packs/cd/big", data)
     assert bytes(objects.get_range("packs/cd/big", 1 << 20, 4 << 20)) == data[1 << 20 :]
     assert bytes(objects.get_range("packs/cd/big", 5 << 20, 2 << 20)) == b""
+
+
+def test_a_data_reader_reads_buffers_and_file_ranges_as_one_seekable_file(tmp_path):
+    # What S3 uploads stream from (a request body, a multipart source): any read size, any seek.
+    import io
+    import tempfile
+
+    from ckptstore.objects import DataReader, FileRange
+
+    with tempfile.TemporaryFile(dir=tmp_path) as spill:
+        spill.write(b"xx" + bytes(range(200)) + b"yy")
+        spill.flush()
+        parts = [b"head", memoryview(b""), FileRange(spill.fileno(), 2, 200), b"", memoryview(b"tail")]
+        whole = b"head" + bytes(range(200)) + b"tail"
+        for size in (1, 3, 7, 64, 1000):
+            reader, got = DataReader(parts), b""
+            while chunk := reader.read(size):
+                got += chunk
+            assert got == whole, size
+        reader = DataReader(parts)
+        assert reader.seek(0, io.SEEK_END) == len(whole) and reader.read(5) == b""
+        reader.seek(150)
+        assert reader.read(100) == whole[150:] and reader.tell() == len(whole)
+        reader.seek(2)
+        assert reader.read(10) == whole[2:12]
+    assert DataReader(memoryview(whole)).read() == whole

@@ -8,6 +8,7 @@ of the same key is told the object is already there.
 from __future__ import annotations
 
 import abc
+import bisect
 import contextlib
 import io
 import os
@@ -100,23 +101,22 @@ class DataReader(io.RawIOBase):
     def readinto(self, buffer) -> int:
         out = memoryview(buffer).cast("B")
         filled = 0
-        for part, start in zip(self._parts, self._starts, strict=True):
-            size = part_size(part)
-            if filled == out.nbytes or self._position >= start + size or not size:
-                continue
-            if self._position < start:
-                break
+        index = bisect.bisect_right(self._starts, self._position) - 1  # the part holding the position
+        while filled < out.nbytes and 0 <= index < len(self._parts) and self._position < self._size:
+            part, start = self._parts[index], self._starts[index]
             within = self._position - start
-            count = min(size - within, out.nbytes - filled)
-            if isinstance(part, FileRange):
-                chunk = os.pread(part.fd, count, part.offset + within)
-                if len(chunk) != count:
-                    raise OSError(f"file range of {part.length} bytes ends early")
-            else:
-                chunk = memoryview(part).cast("B")[within : within + count]
-            out[filled : filled + count] = chunk
-            filled += count
-            self._position += count
+            count = min(part_size(part) - within, out.nbytes - filled)
+            if count > 0:
+                if isinstance(part, FileRange):
+                    chunk = os.pread(part.fd, count, part.offset + within)
+                    if len(chunk) != count:
+                        raise OSError(f"file range of {part.length} bytes ends early")
+                else:
+                    chunk = memoryview(part).cast("B")[within : within + count]
+                out[filled : filled + count] = chunk
+                filled += count
+                self._position += count
+            index += 1
         return filled
 
 

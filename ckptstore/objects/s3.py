@@ -183,9 +183,12 @@ class S3ObjectStore(ObjectStore):
     def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:
         key = self._key(name)
         size = data_size(data)
-        # Parts spilled to a file are streamed from it (a part at a time for a multipart upload),
-        # never joined into one buffer: a commit holds a few parts in memory, not whole packs.
-        spilled = isinstance(data, list) and any(isinstance(part, FileRange) for part in data)
+        # Parts spilled to a file, and mapped objects (a tier's upload), are streamed (a part at
+        # a time for a multipart upload), never copied into one buffer: a commit or an upload
+        # holds a few parts in memory, not whole packs.
+        spilled = isinstance(data, memoryview) or (
+            isinstance(data, list) and any(isinstance(part, FileRange) for part in data)
+        )
         if not spilled:
             data = joined(data)
         if size >= knobs.s3_multipart_threshold() and not single_request:
