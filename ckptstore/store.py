@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from . import auxfiles, errors, strategies
+from . import auxfiles, strategies
+from .arguments import check_layers, check_step, while_open
 from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
 from .commit.step import CommitReport, commit_step, submit_commit
 from .dcp import dcp_description
-from .dcp.directory import write_directory as write_dcp_directory
+from .dcp.directory import materialize_dcp
 from .dcp.weights import state_dict as dcp_state_dict
 from .errors import BadInputError, require_int
 from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
@@ -32,52 +33,14 @@ from .materialize.directory import materialize
 from .model import FileRow, LayerRow, StepRow
 from .objects import ObjectStore
 from .restore import restore as restore_engine
-from .tier import DrainReport, PendingStep, Tier
+from .tier import Tier
+from .tier.verbs import TierVerbs
 from .verify import VerifyReport, verify
 
 __all__ = ["Store", "CommitReport", "VerifyReport"]
 
 
-#: The largest step: the catalog keeps steps as SQLite's signed 64-bit integers.
-MAX_STEP = 2**63 - 1
-
-
-def _step(step: Any) -> int:
-    return require_int(step, "a step", minimum=0, maximum=MAX_STEP)
-
-
-def _while_open(method):
-    """``method``, raising BadInputError once the store is closed (its catalog is released)."""
-
-    @functools.wraps(method)
-    def checked(self: Store, *args: Any, **kwargs: Any) -> Any:
-        if self._closed:
-            raise BadInputError(f"the store {self.objects.uri} was closed; open it again")
-        return method(self, *args, **kwargs)
-
-    return checked
-
-
-def _check_layers(layers: Any) -> strategies.Selection:
-    """``commit(layers=...)`` as a list of names, a strategy, a callable or None; BadInputError
-    for anything else (a string, names that are not strings)."""
-    if layers is None or isinstance(layers, strategies.Strategy) or callable(layers):
-        return layers
-    if isinstance(layers, str | bytes):
-        raise BadInputError("layers= takes a list of layer names, not a single string")
-    if not isinstance(layers, Iterable):
-        raise BadInputError(
-            "layers= takes a list of layer names, a strategy or a callable, not "
-            f"{errors.clip(repr(layers), 60)}"
-        )
-    names = list(layers)
-    wrong = [name for name in names if not isinstance(name, str)]
-    if wrong:
-        raise BadInputError(f"layers= takes layer names (strings), not {errors.clip(repr(wrong[0]), 60)}")
-    return names
-
-
-class Store:
+class Store(TierVerbs):
     """A checkpoint store: blobs in an ObjectStore, an index of the steps in a Catalog."""
 
     def __init__(self, objects: ObjectStore, catalog: Catalog, *, tier: Tier | None = None) -> None:
@@ -111,49 +74,49 @@ class Store:
 
     # -- queries ---------------------------------------------------------------------------
 
-    @_while_open
+    @while_open
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
         return self.catalog.steps()
 
-    @_while_open
+    @while_open
     def sources(self, step: int) -> dict[str, int]:
         """Every layer of ``step`` -> the step whose tensors it uses. Raises NotFoundError."""
-        return self.catalog.sources(_step(step))
+        return self.catalog.sources(check_step(step))
 
-    @_while_open
+    @while_open
     def log(self) -> list[StepRow]:
         """Summary of every committed step (time, layers saved, bytes added), oldest first.
         A step whose manifest cannot be read is left out and named in ``unreadable_steps``."""
         return self.catalog.log()
 
-    @_while_open
+    @while_open
     def unreadable_steps(self) -> dict[int, str]:
         """Steps whose manifest exists but could not be read so far (step -> why): committed
         and damaged, not absent. ``log`` lists the others; reading one raises CorruptError."""
         return dict(self.catalog.unreadable)
 
-    @_while_open
+    @while_open
     def show(self, step: int) -> list[LayerRow]:
         """Every layer of ``step``: the step it comes from, its stored bytes, and its update
         (relative change of its fp32 masters since its last save, measured at ``step``).
         Raises NotFoundError."""
-        return self.catalog.layer_rows(_step(step))
+        return self.catalog.layer_rows(check_step(step))
 
-    @_while_open
+    @while_open
     def resumable(self, step: int) -> bool:
         """Whether ``step`` resumes (materialize, restore); False for a weights-only step, which
         gc kept with its weights only (it still exports). Raises NotFoundError."""
-        return not self.catalog.is_weights_only(_step(step))
+        return not self.catalog.is_weights_only(check_step(step))
 
-    @_while_open
+    @while_open
     def files(self, step: int) -> list[FileRow]:
         """The auxiliary files kept with ``step``. Raises NotFoundError."""
-        return self.catalog.files(_step(step))
+        return self.catalog.files(check_step(step))
 
     # -- commit ----------------------------------------------------------------------------
 
-    @_while_open
+    @while_open
     def commit(
         self,
         engine: Any,
@@ -196,9 +159,9 @@ class Store:
         """
         from .deepspeed.extract import check_is_engine, extract
 
-        step = _step(step)
+        step = check_step(step)
         check_is_engine(engine)
-        layers = _check_layers(layers)
+        layers = check_layers(layers)
         options = dict(layers=layers, files=files, metrics=metrics)
         take_snapshot = functools.partial(extract, engine, client_state)
         if self.tier is not None:
@@ -216,46 +179,9 @@ class Store:
         """Wait for a background commit in flight; returns its report, raises its error."""
         return self._queue.wait() if self._queue is not None else None
 
-    # -- the local tier --------------------------------------------------------------------
-
-    @_while_open
-    def drain(self, timeout: float | None = None) -> DrainReport | None:
-        """Upload every step the local tier holds and the store lacks, oldest first, then keep
-        only what the ``local_keep`` newest steps need locally; None without a local tier.
-
-        Waits for a background commit in flight first. Durable in the store when it returns.
-        ``timeout`` None: one try (each request with the usual retries); seconds: tries again,
-        waiting longer each time, until everything is up or the time is over. Raises, naming
-        every step not uploaded: StorageError (the store cannot be reached), ConflictError
-        (the store has another commit of a step), NotFoundError (an object a step needs is in
-        neither tier). Nothing is lost: what is not uploaded stays in the local tier.
-        """
-        self.wait()
-        return self.tier.drain(timeout) if self.tier is not None else None
-
-    @_while_open
-    def pending(self) -> list[PendingStep]:
-        """The steps committed to the local tier that the store does not have yet, oldest
-        first, with their bytes and why their last upload failed; [] without a local tier."""
-        return self.tier.pending() if self.tier is not None else []
-
-    @_while_open
-    def locations(self) -> dict[int, str]:
-        """Where each step is: ``"local"`` (only in this node's tier), ``"both"``, or
-        ``"store"`` (only in the store). Every step is ``"store"`` without a local tier."""
-        here = self.tier.locations() if self.tier is not None else {}
-        return {step: here.get(step, "store") for step in self.steps()}
-
-    def _refuse_tier(self, verb: str) -> None:
-        if self.tier is not None:
-            raise BadInputError(
-                f"{verb} works on the store itself ({self.objects.uri}), not through a local tier: "
-                "open it without local= (and CKPTSTORE_LOCAL unset), from any machine"
-            )
-
     # -- reading back ----------------------------------------------------------------------
 
-    @_while_open
+    @while_open
     def materialize(
         self,
         step: int | None = None,
@@ -290,30 +216,18 @@ class Store:
         checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
         which loads at any world size: ``world_size`` and ``tag`` do not apply to it.
         """
-        description = None if spec is not None else dcp_description(self.catalog, _step(step))
+        description = None if spec is not None else dcp_description(self.catalog, check_step(step))
         with outputs.writing(out, "materialize"):
             if description is not None:
-                return self._materialize_dcp(
-                    _step(step), description, out, force=force, world_size=world_size, tag=tag
-                )
+                return materialize_dcp(
+                    self.objects, self.catalog, check_step(step), description, out,
+                    force=force, world_size=world_size, tag=tag,
+                )  # fmt: skip
             return materialize(
                 self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
             )
 
-    def _materialize_dcp(
-        self, step: int, description: dict, out: Any, *, force: bool, world_size: Any, tag: Any
-    ) -> Path:
-        """``materialize`` of a step saved through DCP: a DCP checkpoint directory."""
-        if world_size is not None or tag is not None:
-            raise BadInputError(
-                f"step {step} was saved through DCP: its directory loads at any world size (DCP reshards) "
-                "and has no tag; leave out world_size and tag"
-            )
-        store_root = getattr(self.objects, "root", None)
-        path = outputs.check_out(out, force=force, store_root=store_root, verb="materialize")
-        return write_dcp_directory(self.objects, self.catalog, step, description, path)
-
-    @_while_open
+    @while_open
     def export(
         self,
         step: int | None = None,
@@ -349,7 +263,7 @@ class Store:
                 spec=spec, dtype=dtype, max_shard_size=max_shard_size, force=force,
             )  # fmt: skip
 
-    @_while_open
+    @while_open
     def state_dict(
         self,
         step: int | None = None,
@@ -366,12 +280,12 @@ class Store:
         (``integrations.dcp.StoreWriter``): the full tensors of the state dict's ``model``
         entry under its own keys (of a flat state dict, its parameters). Raises as ``export``.
         """
-        description = None if spec is not None else dcp_description(self.catalog, _step(step))
+        description = None if spec is not None else dcp_description(self.catalog, check_step(step))
         if description is not None:
             return dcp_state_dict(self.objects, self.catalog, step, description, parse_dtype(dtype))
         return state_dict(self.objects, self.catalog, step, dtype, spec)
 
-    @_while_open
+    @while_open
     def restore(
         self,
         engine: Any,
@@ -405,10 +319,10 @@ class Store:
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
-        step = None if step is None else _step(step)
+        step = None if step is None else check_step(step)
         return restore_engine(self.objects, self.catalog, engine, step, spec=spec, options=options)
 
-    @_while_open
+    @while_open
     def verify(self, *, deep: bool = True) -> VerifyReport:
         """Check every step's manifest, and every blob and auxiliary file the committed steps
         reference, and the catalog.
@@ -423,7 +337,7 @@ class Store:
 
     # -- retention -------------------------------------------------------------------------
 
-    @_while_open
+    @while_open
     def gc(
         self,
         *,
@@ -464,7 +378,7 @@ class Store:
             grace=grace_seconds(grace), dry_run=dry_run, allow_empty=allow_empty, now=now,
         )  # fmt: skip
 
-    @_while_open
+    @while_open
     def delete(self, step: int, *, dry_run: bool = False) -> GcReport:
         """Drop one step's record; its blobs go at the next gc unless other steps need them.
 
@@ -474,7 +388,7 @@ class Store:
         self._refuse_tier("delete")
         if not dry_run:
             self.catalog.require_writable("delete")
-        step = _step(step)
+        step = check_step(step)
         self.catalog.description(step)  # NotFoundError names the known steps
         return collect(
             self.objects,

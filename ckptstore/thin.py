@@ -26,7 +26,7 @@ from .catalog import Catalog
 from .catalog.sync import read_manifest
 from .format import manifest, pack
 from .format.layout import manifest_name, pack_name
-from .materialize.reader import fetch_pack_index
+from .materialize.fetch import fetch_pack_index
 from .model import BUFFER, FP32, PACK, TENSOR, WEIGHT, LayerPacks, PackRef, StepRecord, TensorRow
 from .objects import ObjectStore
 from .progress import progress_bar

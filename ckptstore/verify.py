@@ -16,7 +16,7 @@ from .catalog import Catalog
 from .catalog.sync import read_manifest
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .format import layout
-from .materialize.reader import fetch_blob, fetch_pack
+from .materialize.fetch import fetch_blob, fetch_pack
 from .model import StepRecord
 from .objects import ObjectStore
 from .progress import progress_bar

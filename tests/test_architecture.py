@@ -16,7 +16,7 @@ LAYERS = [
     {"errors", "knobs", "progress", "layers"},
     {"model", "objects"},
     {"format"},
-    {"catalog", "deepspeed", "strategies", "auxfiles"},
+    {"catalog", "deepspeed", "strategies", "auxfiles", "arguments"},
     {"commit", "materialize", "verify", "gc", "thin", "restore", "dcp", "tier"},
     {"export"},
     {"store"},

@@ -76,10 +76,9 @@ def store_pieces(
 
     def encode(members: list[tuple[Piece, str]], fd: int) -> tuple[bytes, int]:
         with cpu:
-            _, head, _, length = pack.spill(
+            return pack.spill(
                 [(p.name, p.kind, p.start, p.tensor) for p, _ in members], [k for _, k in members], fd
             )
-        return head, length
 
     def store(members: list[tuple[Piece, str]]) -> tuple[PackRef, list[Entry], bool]:
         key = pack.pack_key([(p.name, p.kind, p.start, k) for p, k in members])

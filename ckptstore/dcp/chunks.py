@@ -20,7 +20,7 @@ from ..catalog import Catalog
 from ..errors import CorruptError
 from ..format import codec, pack
 from ..format.layout import pack_name
-from ..materialize.reader import coalesce, entry_in_head, fetch_pack_head
+from ..materialize.fetch import coalesce, entry_in_head, fetch_pack_head
 from ..model import NUMEL, PACK, START, PackRef
 from ..objects import ObjectStore
 from . import item_names

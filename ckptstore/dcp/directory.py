@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from ..catalog import Catalog
+from ..errors import BadInputError
 from ..materialize import outputs
 from ..objects import ObjectStore
 from . import chunks
@@ -39,6 +41,30 @@ class _StoredChunks:
         if item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(tensor.numpy().tobytes())
         return tensor
+
+
+def materialize_dcp(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: int,
+    description: dict,
+    out: Any,
+    *,
+    force: bool,
+    world_size: Any,
+    tag: Any,
+) -> Path:
+    """``Store.materialize`` of a step saved through DCP: ``out`` checked as any output
+    (``outputs.check_out``), then written as a DCP checkpoint directory. BadInputError for a
+    ``world_size`` or ``tag``, which a DCP directory has no use for (DCP reshards at load)."""
+    if world_size is not None or tag is not None:
+        raise BadInputError(
+            f"step {step} was saved through DCP: its directory loads at any world size (DCP reshards) "
+            "and has no tag; leave out world_size and tag"
+        )
+    store_root = getattr(objects, "root", None)
+    path = outputs.check_out(out, force=force, store_root=store_root, verb="materialize")
+    return write_directory(objects, catalog, step, description, path)
 
 
 def write_directory(objects: ObjectStore, catalog: Catalog, step: int, description: dict, out: Path) -> Path:

@@ -91,13 +91,11 @@ def assemble(items: list[tuple[str, str, int, str, list]]) -> tuple[str, list, l
     return key, parts, entries
 
 
-def spill(
-    tensors: list[tuple[str, str, int, torch.Tensor]], keys: list[str], fd: int
-) -> tuple[str, bytes, list[Entry], int]:
+def spill(tensors: list[tuple[str, str, int, torch.Tensor]], keys: list[str], fd: int) -> tuple[bytes, int]:
     """Encode ``(name, kind, start, tensor)`` items (content ``keys`` known) one at a time,
     appending each blob to the open file ``fd`` as soon as it is encoded, so memory holds one
-    blob, never the whole pack: ``(key, head, entries, body length)``. The pack is ``head``
-    followed by the file's first ``body length`` bytes."""
+    blob, never the whole pack: ``(head, body length)``. The pack is ``head`` followed by the
+    file's first ``body length`` bytes; its key is ``pack_key`` of the contents."""
     sizes = []
     for (_, _, _, tensor), key in zip(tensors, keys, strict=True):
         _, parts = codec.encode_parts(tensor, key)
@@ -108,8 +106,8 @@ def spill(
                 view = view[os.write(fd, view) :]
         del parts, views
     contents = [(name, kind, start, key) for (name, kind, start, _), key in zip(tensors, keys, strict=True)]
-    key, head, entries = head_for(contents, sizes)
-    return key, head, entries, sum(sizes)
+    _, head, _ = head_for(contents, sizes)
+    return head, sum(sizes)
 
 
 def head_for(contents: list[tuple[str, str, int, str]], sizes: list[int]) -> tuple[str, bytes, list[Entry]]:

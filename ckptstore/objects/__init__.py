@@ -56,17 +56,9 @@ def data_size(data: Data) -> int:
 
 
 def joined(data: Data) -> bytes | memoryview:
-    """``data`` as one buffer (a list's parts copied together once, file ranges read)."""
-    if not isinstance(data, list):
-        return data
-    return b"".join(_read_range(p) if isinstance(p, FileRange) else p for p in data)
-
-
-def _read_range(part: FileRange) -> bytes:
-    data = os.pread(part.fd, part.length, part.offset)
-    if len(data) != part.length:
-        raise OSError(f"file range of {part.length} bytes ends after {len(data)}")
-    return data
+    """``data`` as one buffer (a list's parts copied together once); buffers only: a
+    ``FileRange`` is streamed (``DataReader``), never joined."""
+    return b"".join(data) if isinstance(data, list) else data
 
 
 class DataReader(io.RawIOBase):

@@ -35,20 +35,13 @@ missing credentials a permanent StorageError; what survives the retries a transi
 from __future__ import annotations
 
 import io
-import math
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
-import boto3
-import botocore.loaders
-import botocore.session
 from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -58,41 +51,13 @@ from .. import knobs
 from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError, redact
 from . import Data, DataReader, FileRange, ObjectInfo, ObjectStore, check_name, data_size, joined
 from .retry import retry
+from .s3_client import check_timeout, create_only, new_client, parse_s3_uri
 from .s3_errors import STREAM_ERRORS, error_code, is_conflict, is_missing, is_precondition_failed, translate
 
 T = TypeVar("T")
 
 # CopyObject copies at most 5 GiB in one request; larger objects are copied in parts.
 _COPY_LIMIT = 5 * 1024**3
-
-_LOADER = botocore.loaders.create_loader()
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """``(bucket, key prefix)`` of ``s3://bucket/some/prefix``; the prefix is "" or ends in "/"."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "s3" or parsed.query or parsed.fragment or parsed.params:
-        raise BadInputError(f"an S3 store URI looks like s3://bucket/prefix, not {uri!r}")
-    bucket = parsed.netloc
-    if not _BUCKET.match(bucket) or ".." in bucket:
-        raise BadInputError(f"{bucket!r} in {uri!r} is not a valid S3 bucket name")
-    prefix = parsed.path.strip("/")
-    if prefix:
-        check_name(prefix)
-    return bucket, f"{prefix}/" if prefix else ""
-
-
-def check_timeout(timeout: Any) -> float:
-    """``timeout`` (seconds) if it is a finite positive number; BadInputError otherwise."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-        raise BadInputError(f"s3_timeout must be a positive number of seconds, not {timeout!r}")
-    return float(timeout)
-
-
-def _create_only(params: dict, **_: Any) -> None:
-    # Every object this backend writes is create-only; see the module docstring.
-    params.setdefault("IfNoneMatch", "*")
 
 
 class S3ObjectStore(ObjectStore):
@@ -110,11 +75,11 @@ class S3ObjectStore(ObjectStore):
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.timeout = knobs.s3_timeout() if timeout is None else check_timeout(timeout)
-        self.client = self._new_client(endpoint_url)
+        self.client = new_client(endpoint_url, self.timeout)
         # What boto3 resolved (endpoint_url=, AWS_ENDPOINT_URL, or AWS for the region).
         self.endpoint: str = self.client.meta.endpoint_url
         for operation in ("PutObject", "CompleteMultipartUpload"):
-            self.client.meta.events.register(f"before-parameter-build.s3.{operation}", _create_only)
+            self.client.meta.events.register(f"before-parameter-build.s3.{operation}", create_only)
         self._endpoint_url = endpoint_url
         self._copier = None
         self._copier_lock = threading.Lock()
@@ -126,24 +91,6 @@ class S3ObjectStore(ObjectStore):
         )
         if check:  # False: a local tier opens while S3 cannot be reached, and checks later
             self._open(create)
-
-    def _new_client(self, endpoint_url: str | None):
-        config = Config(
-            retries={"mode": "standard", "total_max_attempts": knobs.s3_max_attempts()},
-            # botocore waits 60 s for a connection and for each read by default, and retries
-            # those: an endpoint that never answers would stall each call for minutes.
-            connect_timeout=self.timeout,
-            read_timeout=self.timeout,
-            # io_threads objects at once, each with up to s3_part_threads parts in flight.
-            max_pool_connections=knobs.io_threads() * knobs.s3_part_threads() + 4,
-        )
-        # A session per store (boto3's default session is not safe to share across threads),
-        # sharing one loader: parsing the S3 service model costs 0.25 s per client otherwise.
-        session = botocore.session.get_session()
-        session.register_component("data_loader", _LOADER)
-        return boto3.session.Session(botocore_session=session).client(
-            "s3", endpoint_url=endpoint_url, config=config
-        )
 
     def _open(self, create: bool) -> None:
         try:
@@ -259,7 +206,7 @@ class S3ObjectStore(ObjectStore):
         # would make fail (the key exists): it needs a client without that hook.
         with self._copier_lock:
             if self._copier is None:
-                self._copier = self._new_client(self._endpoint_url)
+                self._copier = new_client(self._endpoint_url, self.timeout)
             return self._copier
 
     def delete(self, name: str) -> None:
