@@ -18,11 +18,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import xxhash
-
 from . import knobs
 from .errors import BadInputError, CorruptError, NotFoundError
 from .format.layout import file_name
+from .hashing import PLAIN, ContentHash
 from .model import FileRow
 from .objects import ObjectStore
 
@@ -42,9 +41,9 @@ class Read(list):
     that runs later keeps the contents the files had when it was submitted."""
 
 
-def file_key(data: bytes) -> str:
-    """Content key of a file's bytes (32 hex digits)."""
-    return xxhash.xxh3_128(data).hexdigest()
+def file_key(data: bytes, content_hash: ContentHash = PLAIN) -> str:
+    """Content key of a file's bytes (32 hex digits) by ``content_hash`` (the store's)."""
+    return content_hash.key_of(data)
 
 
 def collect(files: FileSpec | Read) -> Entries:
@@ -122,7 +121,7 @@ def store(objects: ObjectStore, entries: Entries) -> list[FileRow]:
     rows = []
     for name, source in entries:
         data = source if isinstance(source, bytes) else source.read_bytes()
-        key = file_key(data)
+        key = file_key(data, objects.content_hash)
         if objects.touch(file_name(key)) is None:
             objects.put_if_absent(file_name(key), data)
         rows.append(FileRow(name, key, len(data)))
@@ -167,7 +166,7 @@ def copy_out(objects: ObjectStore, rows: Iterable[FileRow], directory: Path, ste
             data = objects.get(file_name(row.key))
         except NotFoundError:
             raise NotFoundError(f"auxiliary file {row.path} (stored as {row.key}) is missing") from None
-        if file_key(data) != row.key:
+        if file_key(data, objects.content_hash) != row.key:
             raise CorruptError(f"auxiliary file {row.path} (stored as {row.key}) is corrupt")
         target = directory / row.path
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ from .catalog import sync
 from .errors import BadInputError, CkptStoreError, StorageError, require_int
 from .format.config import ensure_config
 from .format.layout import CONFIG
+from .hashing import ContentHash
+from .keys import content_hash_for
 from .objects import ObjectStore, open_objects
 from .objects.local import LocalObjectStore
 from .objects.tiered import TieredObjectStore
@@ -36,8 +38,15 @@ def open(  # noqa: A001 - the public name
     local_max_bytes: int | None = None,
     local_upload: str | None = None,
     s3_timeout: float | None = None,
+    key: bytes | None = None,
 ) -> Store:
     """Open (and by default create) the store at ``uri``: a path, ``file://`` or ``s3://bucket/prefix``.
+
+    ``key`` (bytes, at least 32; default: the file ``CKPTSTORE_KEY_FILE`` names) makes the store
+    authenticated (``ckptstore.hashing``): created with a key, a store opens only with that key,
+    and every read checks that what it uses was written by a holder of the key; nothing a
+    store writer without the key puts in the store is restored, listed as a step or obeyed by
+    gc. A store created without a key opens only without one.
 
     The catalog is brought up to date from the store's manifests here (an S3 store's lives
     under ``CKPTSTORE_CACHE``; steps committed elsewhere later appear on the next open); a
@@ -56,7 +65,8 @@ def open(  # noqa: A001 - the public name
     0: no limit) a commit waits for the uploads. A directory fronts one store: it records
     which, and refuses another.
 
-    Raises BadInputError for a ``uri`` that is no path or URI string, NotFoundError if the
+    Raises BadInputError for a ``uri`` that is no path or URI string, or a key the store was not
+    created with (or one it was created with, missing), NotFoundError if the
     store (or its bucket) does not exist and ``create`` is false,
     UnsupportedError if it was written by a newer ckptstore format, StorageError if the
     storage cannot be reached or refuses access, BadInputError for a ``local`` directory that
@@ -65,11 +75,15 @@ def open(  # noqa: A001 - the public name
     of the store it knew are listed, commits land in the tier, and uploads wait for the store.
     """
     local = knobs.local_tier() if local is None else os.fspath(local)
+    content_hash = content_hash_for(key)
     offline = False
     try:
-        objects = _open_objects(uri, create=create, endpoint_url=endpoint_url, s3_timeout=s3_timeout)
+        objects = _open_objects(
+            uri, create=create, endpoint_url=endpoint_url, s3_timeout=s3_timeout, content_hash=content_hash
+        )
     except StorageError as exc:
         objects = _unreachable_remote(uri, local, endpoint_url, exc, s3_timeout)
+        objects.content_hash = content_hash
         offline = True
     if not local:
         return Store(objects, sync.open_catalog(objects))
@@ -88,16 +102,20 @@ def open(  # noqa: A001 - the public name
     return store
 
 
-def open_local_tier(path: str | os.PathLike) -> Store:
+def open_local_tier(path: str | os.PathLike, *, key: bytes | None = None) -> Store:
     """Open the store the local tier at ``path`` fronts, through that tier, uploading only when
-    drained (``ckptstore drain --local PATH`` after a crash). NotFoundError if ``path`` is no
-    local tier."""
+    drained (``ckptstore drain --local PATH`` after a crash); ``key`` as ``open`` takes it.
+    NotFoundError if ``path`` is no local tier."""
     directory = LocalObjectStore(path, create=False)
     remote, endpoint = paired_remote(directory)
-    return open(remote, create=False, endpoint_url=endpoint, local=directory.root, local_upload="drain")
+    return open(
+        remote, create=False, endpoint_url=endpoint, local=directory.root, local_upload="drain", key=key
+    )
 
 
-def rebuild_catalog(uri: str | os.PathLike, *, endpoint_url: str | None = None) -> sync.SyncReport:
+def rebuild_catalog(
+    uri: str | os.PathLike, *, endpoint_url: str | None = None, key: bytes | None = None
+) -> sync.SyncReport:
     """Replace the store's catalog by one rebuilt from its manifests; returns what it holds.
 
     For an S3 store that is the local index; for a local store its ``catalog.db`` (which may
@@ -108,12 +126,17 @@ def rebuild_catalog(uri: str | os.PathLike, *, endpoint_url: str | None = None) 
     Raises NotFoundError if there is no store at ``uri``, UnsupportedError if a newer
     ckptstore wrote the store or one of its manifests.
     """
-    objects = _open_objects(uri, create=False, endpoint_url=endpoint_url)
+    objects = _open_objects(uri, create=False, endpoint_url=endpoint_url, content_hash=content_hash_for(key))
     return sync.rebuild(sync.catalog_path(objects), objects)
 
 
 def _open_objects(
-    uri: str | os.PathLike, *, create: bool, endpoint_url: str | None, s3_timeout: float | None = None
+    uri: str | os.PathLike,
+    *,
+    create: bool,
+    endpoint_url: str | None,
+    content_hash: ContentHash,
+    s3_timeout: float | None = None,
 ) -> ObjectStore:
     if not isinstance(uri, str | os.PathLike):
         raise BadInputError(
@@ -125,6 +148,7 @@ def _open_objects(
     if not uri:
         raise BadInputError("no store given (pass a path or URI, or set CKPTSTORE_STORE)")
     objects = open_objects(uri, create=create, endpoint_url=endpoint_url, s3_timeout=s3_timeout)
+    objects.content_hash = content_hash
     if getattr(objects, "root", None) is not None and objects.exists(REMOTE):
         remote, _ = paired_remote(objects)
         raise BadInputError(
@@ -171,6 +195,7 @@ def _open_tier(
     keep = require_int(keep, "local_keep", minimum=0)
     max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0)
     local = LocalObjectStore(path, create=True)
+    local.content_hash = remote.content_hash
     if getattr(remote, "root", None) == local.root:
         raise BadInputError(f"local={path} is the store itself: give the local tier a directory of its own")
     if local.exists(CONFIG) and not local.exists(REMOTE):
@@ -180,4 +205,6 @@ def _open_tier(
     pair(local, remote.uri, endpoint_url)
     ensure_config(local, create=True)
     tier = Tier(local, remote, keep=keep, max_bytes=max_bytes, remote_checked=not offline)
-    return TieredObjectStore(local, remote, offline=offline), tier
+    tiered = TieredObjectStore(local, remote, offline=offline)
+    tiered.content_hash = remote.content_hash
+    return tiered, tier

@@ -24,7 +24,8 @@ import numpy as np
 
 from .catalog import Catalog
 from .catalog.sync import read_manifest
-from .format import manifest, pack
+from .errors import ConflictError
+from .format import layout, manifest, pack
 from .format.layout import manifest_name, pack_name
 from .materialize.fetch import fetch_pack_index
 from .model import BUFFER, FP32, PACK, TENSOR, WEIGHT, LayerPacks, PackRef, StepRecord, TensorRow
@@ -107,9 +108,15 @@ def thin(
     for step in changed:
         record = read_manifest(objects, step, generations[step])
         _rewrite(record, thinned, gone)
-        objects.put_if_absent(
-            manifest_name(step, generations[step] + 1), manifest.encode(record), single_request=True
-        )
+        # Above every generation stored, not only the one read: in a store with a key a newer
+        # one may be a forgery the catalog passed over, and must not stay the newest.
+        generation = max([generations[step], *layout.generations_of(objects, step)]) + 1
+        if not objects.put_if_absent(
+            manifest_name(step, generation),
+            manifest.encode(record, objects.content_hash, generation),
+            single_request=True,
+        ):
+            raise ConflictError(f"step {step} got a new manifest generation {generation} while gc rewrote it")
     catalog.record_weights_only(
         list(thinned.values()), [row for rows in dropped_rows.values() for row in rows], changed
     )
@@ -160,12 +167,19 @@ def _thin_pack(objects: ObjectStore, ref: PackRef, masters: set[str], dry_run: b
         share = sum(e.length for e in kept) / max(1, sum(e.length for e in entries))
         return PackRef(ref.key, ref.rank, int(ref.size * share), int(ref.raw_size * share))
     data = memoryview(objects.get(pack_name(ref.key)))
-    kept = [e for e in pack.parse_index(data, ref.key) if is_weight(e.name, e.kind, masters)]
+    kept = [
+        e
+        for e in pack.parse_index(data, ref.key, content_hash=objects.content_hash)
+        if is_weight(e.name, e.kind, masters)
+    ]
     if not kept:
         return None
-    tensors = [pack.decode_entry(data[e.offset :], e) for e in kept]  # verified before copying
+    tensors = [
+        pack.decode_entry(data[e.offset :], e, content_hash=objects.content_hash) for e in kept
+    ]  # verified before copying
     key, parts, _ = pack.assemble(
-        [(e.name, e.kind, e.start, e.key, [data[e.offset : e.offset + e.length]]) for e in kept]
+        [(e.name, e.kind, e.start, e.key, [data[e.offset : e.offset + e.length]]) for e in kept],
+        objects.content_hash,
     )
     objects.put_if_absent(pack_name(key), parts)
     size = sum(memoryview(part).nbytes for part in parts)

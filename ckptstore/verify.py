@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from . import auxfiles, knobs
 from .catalog import Catalog
-from .catalog.sync import read_manifest
+from .catalog.sync import read_authentic_manifest
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .format import layout
 from .materialize.fetch import fetch_blob, fetch_pack
@@ -195,7 +195,9 @@ def _verify_files(
             problem = "is missing"
         elif stored.size != size:
             problem = f"has {stored.size} bytes, the catalog recorded {size}"
-        elif report.deep and auxfiles.file_key(objects.get(layout.file_name(key))) != key:
+        elif (
+            report.deep and auxfiles.file_key(objects.get(layout.file_name(key)), objects.content_hash) != key
+        ):
             problem = "is corrupt (its content does not hash to its key)"
         else:
             continue
@@ -205,22 +207,26 @@ def _verify_files(
 def _verify_manifests(
     objects: ObjectStore, catalog: Catalog, manifests: layout.ManifestListing, report: VerifyReport
 ) -> None:
-    """Read every step's manifest (its newest generation), layer indexes included, and compare
-    what it references with the catalog's rows of the step: a catalog row a store writer added
-    (a pack, a blob, an auxiliary file) shows here."""
+    """Read every step's manifest (its newest generation; with a key, its newest authentic one,
+    reporting each newer one that is not), layer indexes included, and compare what it
+    references with the catalog's rows of the step: a catalog row a store writer added (a
+    pack, a blob, an auxiliary file) shows here."""
 
-    def read(step: int) -> tuple[int, str, StepRecord | str | None]:
-        name = layout.manifest_name(step, manifests.generation(step))
+    def read(step: int) -> tuple[int, str, StepRecord | str | None, list[str]]:
+        generation = manifests.generation(step)
         try:
-            return step, name, read_manifest(objects, step, manifests.generation(step))
+            record, generation, rejected = read_authentic_manifest(objects, step, generation)
+            return step, layout.manifest_name(step, generation), record, rejected
         except NotFoundError:
-            return step, name, None  # dropped by a gc since the listing
+            return step, layout.manifest_name(step, generation), None, []  # dropped by a gc since the listing
         except (CorruptError, UnsupportedError) as exc:
-            return step, name, f"cannot be read ({exc})"
+            return step, layout.manifest_name(step, generation), f"cannot be read ({exc})", []
 
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
-        for step, name, record in pool.map(read, sorted(manifests.found)):
+        for step, name, record, rejected in pool.map(read, sorted(manifests.found)):
             report.manifests_checked += 1
+            for problem in rejected:
+                report.manifest_problems.append(f"step {step}: {problem} (ignored: the step reads {name})")
             problem = record if isinstance(record, str) else _disagreement(catalog, step, record)
             if problem:
                 report.manifest_problems.append(f"step {step}: manifest {name} {problem}")

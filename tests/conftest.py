@@ -84,6 +84,42 @@ def zero1_engine():
     return engine
 
 
+# The DeepSpeed suite runs twice: once as is, once with every store opened with a key
+# (``CKPTSTORE_KEY_FILE``, which ranks started as subprocesses inherit): an authenticated store
+# must do all that a store without one does.
+KEYED_SUITE = {
+    "test_store_deepspeed", "test_compose", "test_restore", "test_export", "test_gc",
+    "test_background", "test_many_ranks", "test_materialize_streaming", "test_store_s3",
+    "test_weights_only", "test_files", "test_strategies",
+}  # fmt: skip
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.module.__name__.rsplit(".", 1)[-1] in KEYED_SUITE:
+        metafunc.parametrize("store_key", ["no-key", "key"], indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def store_key(request, tmp_path_factory):
+    """In the ``KEYED_SUITE``: whether the module's stores are opened with a key ("key": a fresh
+    one in a 0600 file named by ``CKPTSTORE_KEY_FILE``) or without ("no-key"), each module run
+    once each way; a module-scoped fixture that opens a store takes ``store_key`` so that it
+    is made again for each. Elsewhere (None) the environment is left as it is."""
+    param = getattr(request, "param", None)
+    if param is None:
+        yield None
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        if param == "key":
+            path = tmp_path_factory.mktemp("key") / "store.key"
+            path.write_bytes(os.urandom(32))
+            path.chmod(0o600)
+            patch.setenv("CKPTSTORE_KEY_FILE", str(path))
+        else:
+            patch.delenv("CKPTSTORE_KEY_FILE", raising=False)
+        yield param
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _single_process_deepspeed_env():
     setup_single_process_env()  # idempotent; never overrides a launcher's values

@@ -208,21 +208,21 @@ def _newer(path, name, old, new):
 
 
 def test_a_store_written_by_a_newer_format_is_refused_with_exit_6(run, gc_store):
-    _newer(gc_store, "config.json", b'"format_version": 2', b'"format_version": 3')
+    _newer(gc_store, "config.json", b'"format_version": 2', b'"format_version": 4')
     for args in (["log"], ["verify"], ["catalog", "rebuild"]):
         result = run("--store", gc_store, *args)
         assert result.returncode == 6, (args, result.stderr)
-        assert "format version 3" in result.stderr and "upgrade ckptstore" in result.stderr
+        assert "format version 4" in result.stderr and "upgrade ckptstore" in result.stderr
 
 
 def test_a_manifest_written_by_a_newer_format_is_refused_by_catalog_rebuild(run, gc_store):
     from ckptstore.format.layout import manifest_name
 
-    _newer(gc_store, manifest_name(400), b"CKPM\x02", b"CKPM\x03")
+    _newer(gc_store, manifest_name(400), b"CKPM\x02", b"CKPM\x04")
     before = (gc_store / "catalog.db").read_bytes()
     result = run("--store", gc_store, "catalog", "rebuild")
     assert result.returncode == 6
-    assert result.stderr.startswith(f"error: {manifest_name(400)}: manifest has format version 3")
+    assert result.stderr.startswith(f"error: {manifest_name(400)}: manifest has format version 4")
     assert (gc_store / "catalog.db").read_bytes() == before  # nothing was replaced
 
 

@@ -64,7 +64,7 @@ def test_a_spec_materializes_each_layer_from_the_step_it_names(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def two_steps(tmp_path_factory):
+def two_steps(tmp_path_factory, store_key):
     """Steps 2 and 3 of a 2-block Llama, and step 9 of a 3-block one."""
     root = tmp_path_factory.mktemp("compose") / "store"
     store = ckptstore.open(root)

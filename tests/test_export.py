@@ -40,7 +40,7 @@ def commit_and_save(root: Path, model: str, stage: int) -> tuple[ckptstore.Store
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{m}-zero{s}" for m, s in CONFIGS])
-def committed(request, tmp_path_factory):
+def committed(request, tmp_path_factory, store_key):
     model, stage = request.param
     store, reference = commit_and_save(tmp_path_factory.mktemp(f"{model}{stage}"), model, stage)
     yield model, store, reference

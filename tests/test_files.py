@@ -36,7 +36,9 @@ def test_files_round_trip_are_inherited_and_stored_once(tmp_path, engine):
     assert [f.path for f in store.files(3)] == ["config.json", "tok/tokenizer.json"]
     assert store.files(4) == []
     assert len(list(store.objects.list("files/"))) == 2  # identical contents stored once
-    record = manifest.decode(store.objects.get(manifest_name(3)))
+    record = manifest.decode(
+        store.objects.get(manifest_name(3)), store.objects.content_hash, manifest_name(3)
+    )
     assert [(f.path, f.size) for f in record.files] == [("config.json", 14), ("tok/tokenizer.json", 13)]
 
     out = store.materialize(2, tmp_path / "out2")

@@ -86,7 +86,10 @@ def test_arbitrary_bytes_raise_corrupt(data):
 
 def test_a_newer_manifest_version_is_refused_as_unsupported():
     data = manifest.encode(example())
-    with pytest.raises(UnsupportedError, match="manifest has format version 3"):
+    with pytest.raises(UnsupportedError, match="manifest has format version 4"):
+        manifest.decode(data[:4] + b"\x04" + data[5:])
+    # 3 is a tagged manifest: only a store with a key reads one, having checked its tag
+    with pytest.raises(CorruptError, match="tagged manifest in a store without a key"):
         manifest.decode(data[:4] + b"\x03" + data[5:])
     json_v2 = manifest.encode_v1(example()).replace(b'"version":1', b'"version":2')
     with pytest.raises(UnsupportedError, match="manifest has format version 2"):

@@ -92,7 +92,7 @@ def test_recommits_and_partial_commits_add_few_bytes(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_store(tmp_path_factory):
+def small_store(tmp_path_factory, store_key):
     root = tmp_path_factory.mktemp("small")
     store = ckptstore.open(root / "store")
     engine = build_engine("gpt2", zero_stage=1, dtype="bf16", seed=0, num_layers=2)

@@ -249,6 +249,21 @@ def main() -> int:
         store.close()
     gather_time = statistics.median(gather_cost(engine) for _ in range(args.reps)) if world > 1 else None
 
+    # A store with a key (keyed BLAKE3 content keys, tagged manifests) against one without:
+    # a full commit into a new store of each kind, then a materialize of it, taking turns.
+    shared_key = [os.urandom(32)]
+    dist.broadcast_object_list(shared_key, src=0)  # every rank opens the store with one key
+    auth = {False: ([], []), True: ([], [])}
+    for rep in range(args.reps):
+        for keyed in (False, True) if rep % 2 == 0 else (True, False):
+            store = ckptstore.open(work / f"auth{int(keyed)}-{rep}", key=shared_key[0] if keyed else None)
+            os.sync()
+            auth[keyed][0].append(barrier_timed(store.commit, engine, 1)[0])
+            if rank == 0:
+                auth[keyed][1].append(timed(store.materialize, 1, work / "auth-mat", world_size=world)[0])
+                shutil.rmtree(work / "auth-mat")
+            store.close()
+
     # Resuming: DeepSpeed's load_checkpoint of its own directory; restore straight from the
     # store; materialize (rank 0, for this world size) then load_checkpoint. Taking turns.
     load_times, restore_times, mat_load_times = [], [], []
@@ -299,6 +314,10 @@ def main() -> int:
              med(mat_load_times) / med(load_times), None, None),
             ("restore (vs materialize + load_checkpoint)", med(restore_times),
              med(restore_times) / med(mat_load_times), None, None),
+            ("full commit, store with a key (vs without)", med(auth[True][0]),
+             med(auth[True][0]) / med(auth[False][0]), None, None),
+            ("materialize, store with a key (vs without)", med(auth[True][1]),
+             med(auth[True][1]) / med(auth[False][1]), None, None),
         ]  # fmt: skip
         if gather_time is not None:
             rows.append(
@@ -314,8 +333,8 @@ def main() -> int:
             sec = "" if seconds is None else f"{seconds:.2f}"
             rat = "" if ratio is None else f"{ratio:.2f}x"
             print(f"| {name} | {sec} | {rat} | {nb} | {br} |")
-        print("\ntime ratios are against save_checkpoint, except materialize (against cp -r) and the resume "
-              "rows (as named)")  # fmt: skip
+        print("\ntime ratios are against save_checkpoint, except materialize (against cp -r), the resume "
+              "rows and the key rows (as named)")  # fmt: skip
         model_bytes = param_count(engine.module) * 2
         for phase, peak in rss.peaks.items():
             print(f"peak extra RSS during {phase}: {peak / 1e6:.0f} MB ({peak / ds_bytes:.2f}x the DeepSpeed directory, "

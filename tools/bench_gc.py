@@ -29,6 +29,7 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
 
     store = ckptstore.open(path)
     root = Path(store.objects.root)
+    content_hash = store.objects.content_hash  # a store opened with a key names content by it
 
     def write(name: str, data: bytes) -> None:
         # Straight to disk, without the per-object fsync of a real commit: this only builds a fixture.
@@ -44,7 +45,7 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
         saved = names if step == 0 else [names[step % layers]]
         rows = []
         for layer in saved:
-            key, data = encode(torch.tensor([float(step), float(len(layer))]))
+            key, data = encode(torch.tensor([float(step), float(len(layer))]), content_hash=content_hash)
             write(blob_name(key), data)
             blob_rows[key] = BlobRow(key, len(data), 8)
             rows.append(TensorRow(step, layer, f"{layer}.weight", "fp32", 0, 2, key))
@@ -57,7 +58,7 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
                        for i, layer in enumerate(names)]  # fmt: skip
         record = StepRecord(step, "2026-01-01T00:00:00+00:00", 1, "{}", dict(sources), list(newest.values()),
                             [blob_rows[r.blob] for r in newest.values()])  # fmt: skip
-        write(manifest_name(step), manifest.encode(record))
+        write(manifest_name(step), manifest.encode(record, content_hash))
     db = store.catalog.db
     with db.atomic():
         db["steps"].insert_all(step_rows, batch_size=5000)

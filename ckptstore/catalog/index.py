@@ -43,6 +43,10 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         # Steps whose manifest is listed but could not be read, met by this process -> why:
         # such a step is committed and damaged, not absent (``_require``, ``log``).
         self.unreadable: dict[int, str] = {}
+        #: Whether a listed manifest counts as a step before it is read. Not in a store with a
+        #: key: a store writer without the key can add a manifest, and only reading it tells
+        #: whether it is authentic, so every listed step is imported before steps are answered.
+        self.trusts_listing = True
         self.db = database.snapshot(self.path) if read_only else database.connect(self.path)
 
     def require_writable(self, verb: str) -> None:
@@ -61,12 +65,21 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
     # -- reading ---------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps in ascending order, listed ones included."""
+        """Committed steps in ascending order, listed ones included (imported first, unless
+        ``trusts_listing``)."""
+        if not self.trusts_listing:
+            self.load()
+        return self.known_steps()
+
+    def known_steps(self) -> list[int]:
+        """The steps recorded or listed, ascending, without importing any (what a sync saw)."""
         sql = "SELECT step FROM steps UNION SELECT step FROM listed_steps ORDER BY step"
         return [row[0] for row in self.db.execute(sql)]
 
     def has_step(self, step: int) -> bool:
-        """Whether ``step`` is committed (recorded or listed)."""
+        """Whether ``step`` is committed (recorded or listed; imported first, unless ``trusts_listing``)."""
+        if not self.trusts_listing:
+            self.load([step])
         sql = "SELECT 1 FROM steps WHERE step = ? UNION SELECT 1 FROM listed_steps WHERE step = ?"
         return self.db.execute(sql, [step, step]).fetchone() is not None
 
@@ -84,8 +97,7 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         an in-memory copy (``read_only``) that holds them."""
         if self.loader is None:
             return
-        sql = "SELECT step FROM listed_steps WHERE step NOT IN (SELECT step FROM steps) ORDER BY step"
-        pending = [row[0] for row in self.db.execute(sql)]
+        pending = self.pending_steps()
         if steps is not None:
             wanted = set(steps)
             pending = [step for step in pending if step in wanted]
@@ -101,6 +113,11 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
             self.db = database.snapshot(self.path)
             self.read_only = str(exc)
             self.loader(pending)
+
+    def pending_steps(self) -> list[int]:
+        """The listed steps not imported yet, ascending."""
+        sql = "SELECT step FROM listed_steps WHERE step NOT IN (SELECT step FROM steps) ORDER BY step"
+        return [row[0] for row in self.db.execute(sql)]
 
     def set_listed(self, steps: dict[int, int]) -> None:
         """Make ``steps`` (step -> manifest generation) the listed steps: the manifests a

@@ -77,13 +77,42 @@ def read_manifest(objects: ObjectStore, step: int, generation: int = 0) -> StepR
     if it is malformed or names another step, UnsupportedError if a newer ckptstore wrote it."""
     name = layout.manifest_name(step, generation)
     try:
-        record = manifest.decode(objects.get(name))
+        record = manifest.decode(objects.get(name), objects.content_hash, name)
     except UnsupportedError as exc:
         raise UnsupportedError(f"{name}: {exc}") from None
     if record.step != step:
         raise CorruptError(f"manifest {name} describes step {record.step}")
     auxfiles.check_record(record)  # a file where DeepSpeed would read it: never imported
     return record
+
+
+def read_authentic_manifest(
+    objects: ObjectStore, step: int, generation: int
+) -> tuple[StepRecord, int, list[str]]:
+    """``step``'s record from its newest manifest at or below ``generation`` that a store with
+    a key can trust: ``(record, its generation, why each newer one was passed over)``.
+
+    Without a key this is ``read_manifest`` of ``generation``. With one, a newer generation
+    that is not authentic (someone who can write the store but holds no key put it there) is
+    passed over for the newest authentic one below it, so it can neither change nor hide the
+    step. Raises NotFoundError if the step is gone, CorruptError (the newest generation's
+    problem) if no generation of it is authentic.
+    """
+    try:
+        return read_manifest(objects, step, generation), generation, []
+    except CorruptError as exc:
+        if not objects.content_hash.authenticated:
+            raise
+        first = exc
+    rejected = [str(first)]
+    for older in sorted((g for g in layout.generations_of(objects, step) if g < generation), reverse=True):
+        try:
+            return read_manifest(objects, step, older), older, rejected
+        except NotFoundError:
+            continue
+        except CorruptError as exc:
+            rejected.append(str(exc))
+    raise first
 
 
 def import_record(catalog: Catalog, record: StepRecord, generation: int = 0) -> bool:
@@ -100,7 +129,10 @@ def _fetch_all(
 
     def fetch(step: int) -> tuple[StepRecord, int] | None:
         try:
-            return read_manifest(objects, step, steps[step]), steps[step]
+            record, generation, rejected = read_authentic_manifest(objects, step, steps[step])
+            for problem in rejected:
+                log.warning("ckptstore: ignored %s", problem)
+            return record, generation
         except NotFoundError:
             return None  # deleted since it was listed (a gc elsewhere)
         except CorruptError as exc:
@@ -115,16 +147,25 @@ def _fetch_all(
                     yield found
 
 
+def _catalog_in_cache(objects: ObjectStore) -> bool:
+    """Whether the catalog of ``objects`` lives under ``CKPTSTORE_CACHE``: an S3 store's, and a
+    local store's with a key. Whoever can write a store can write a ``catalog.db`` beside its
+    objects, so a store with a key is indexed in this machine's own cache, from authentic
+    manifests only. A local tier is this node's own and keeps its catalog."""
+    is_tier = hasattr(objects, "private_catalog")
+    return getattr(objects, "root", None) is None or (objects.content_hash.authenticated and not is_tier)
+
+
 def catalog_is_shared(objects: ObjectStore) -> bool:
     """Whether every process using ``objects`` shares one catalog (a local store's ``catalog.db``)
-    rather than keeping a cache of its own (S3, or a local tier's: ``private_catalog``)."""
-    return getattr(objects, "root", None) is not None and not getattr(objects, "private_catalog", False)
+    rather than keeping a cache of its own (S3, a store with a key, or a local tier's:
+    ``private_catalog``)."""
+    return not _catalog_in_cache(objects) and not getattr(objects, "private_catalog", False)
 
 
 def catalog_path(objects: ObjectStore) -> Path:
     """The catalog file of ``objects``: ``catalog.db`` in a local store (or local tier), else the cache's."""
-    root = getattr(objects, "root", None)
-    return cache_path(objects) if root is None else Path(root) / "catalog.db"
+    return cache_path(objects) if _catalog_in_cache(objects) else Path(objects.root) / "catalog.db"
 
 
 def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
@@ -150,7 +191,7 @@ def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
         if report.dropped:
             catalog.drop_steps(report.dropped)
         catalog.set_listed(remote)
-    report.steps = catalog.steps()
+    report.steps = catalog.known_steps()
     return report
 
 
@@ -169,7 +210,7 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
     report.dropped = [step for step in steps if step not in recorded]
     if report.dropped:
         catalog.unlist(report.dropped)
-    report.steps = catalog.steps()
+    report.steps = catalog.known_steps()
     return report
 
 
@@ -184,7 +225,7 @@ def load_every_step(catalog: Catalog, objects: ObjectStore) -> None:
     manifests that cannot be read. What gc needs before it decides anything: a step it does
     not know of would lose its packs."""
     sync(catalog, objects)
-    pending = [step for step in catalog.steps() if not catalog.is_recorded(step)]
+    pending = catalog.pending_steps()
     report = load_steps(catalog, objects, pending) if pending else SyncReport()
     if report.corrupt:
         more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
@@ -219,6 +260,7 @@ def open_catalog(objects: ObjectStore) -> Catalog:
             catalog.close()
             raise
     catalog.loader = lambda steps: load_steps(catalog, objects, steps)
+    catalog.trusts_listing = not objects.content_hash.authenticated
     return catalog
 
 
@@ -286,7 +328,7 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
                 report.incomplete.append(record.step)
             elif import_record(catalog, record, generation):
                 report.imported.append(record.step)
-        report.steps = catalog.steps()
+        report.steps = catalog.known_steps()
         # Fold the write-ahead log into the file, so the file alone is the whole catalog.
         catalog.db.execute("PRAGMA journal_mode=DELETE")
     except BaseException:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .. import opening
+from .. import keys, opening
 from ..store import Store
 
 EXIT_PROBLEMS = 1
@@ -34,9 +34,16 @@ def open_store(ctx: click.Context, *, through_tier: bool = True) -> Store:
     work on the store itself). Given only the tier, the store is the one the tier fronts."""
     local = ctx.obj.get("local") or "" if through_tier else ""
     if local and not (ctx.params.get("store_uri") or ctx.obj["store"]):
-        return opening.open_local_tier(local)
+        return opening.open_local_tier(local, key=key_of(ctx))
     # A command reads through the tier; uploading is drain's job, never a side effect of `log`.
-    return opening.open(uri_of(ctx), create=False, local=local, local_upload="drain")
+    return opening.open(uri_of(ctx), create=False, local=local, local_upload="drain", key=key_of(ctx))
+
+
+def key_of(ctx: click.Context) -> bytes | None:
+    """The key in the file ``--key-file`` named; None without one (``CKPTSTORE_KEY_FILE`` then
+    applies, as it does to ``ckptstore.open``)."""
+    path = ctx.find_root().obj.get("key_file")
+    return keys.read_key_file(path) if path else None
 
 
 def human(n: float) -> str:
@@ -62,9 +69,15 @@ def human(n: float) -> str:
     help="This node's local tier in front of the store (steps not uploaded yet, fast reads). "
     "Defaults to $CKPTSTORE_LOCAL.",
 )
+@click.option(
+    "--key-file",
+    metavar="FILE",
+    help="The file holding the store's key (a store created with a key opens only with it; "
+    "the file must not be readable by others). Defaults to $CKPTSTORE_KEY_FILE.",
+)
 @click.version_option(package_name="ckptstore")
 @click.pass_context
-def cli(ctx: click.Context, store: str | None, local: str | None) -> None:
+def cli(ctx: click.Context, store: str | None, local: str | None, key_file: str | None) -> None:
     """Content-addressed, deduplicated DeepSpeed checkpoints.
 
     Training code commits with ``ckptstore.open(URI).commit(engine, step)``; these
@@ -73,3 +86,4 @@ def cli(ctx: click.Context, store: str | None, local: str | None) -> None:
     ctx.ensure_object(dict)
     ctx.obj["store"] = store
     ctx.obj["local"] = local
+    ctx.obj["key_file"] = key_file

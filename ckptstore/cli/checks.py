@@ -9,7 +9,7 @@ from dataclasses import asdict
 import click
 
 from .. import opening
-from .base import EXIT_PROBLEMS, cli, human, open_store, store_option, uri_of
+from .base import EXIT_PROBLEMS, cli, human, key_of, open_store, store_option, uri_of
 
 
 @cli.command()
@@ -86,7 +86,7 @@ def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
     Example: ckptstore --store s3://ckpts/llama-8b/run7 catalog rebuild
     """
     uri = uri_of(ctx)
-    report = opening.rebuild_catalog(uri)
+    report = opening.rebuild_catalog(uri, key=key_of(ctx))
     if as_json:
         click.echo(json.dumps(asdict(report)))
     else:

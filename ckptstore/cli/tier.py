@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from .. import opening
 from ..progress import shown
-from .base import cli, human
+from .base import cli, human, key_of
 
 
 @cli.command()
@@ -37,7 +37,7 @@ def drain(ctx: click.Context, timeout: float | None, as_json: bool) -> None:
     path = ctx.obj.get("local")
     if not path:
         raise click.UsageError("drain needs the local tier: pass --local DIR or set CKPTSTORE_LOCAL")
-    with opening.open_local_tier(path) as store:
+    with opening.open_local_tier(path, key=key_of(ctx)) as store:
         total = sum(step.bytes for step in store.pending())
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="uploading", disable=not shown(), leave=False

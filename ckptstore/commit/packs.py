@@ -72,7 +72,11 @@ def store_pieces(
 
     def content_key(piece: Piece) -> str | None:
         with cpu:
-            return None if piece.redundant() else codec.tensor_key(piece.tensor)
+            return (
+                None
+                if piece.redundant()
+                else codec.tensor_key(piece.tensor, content_hash=objects.content_hash)
+            )
 
     def encode(members: list[tuple[Piece, str]], fd: int) -> tuple[bytes, int]:
         with cpu:
@@ -81,7 +85,7 @@ def store_pieces(
             )
 
     def store(members: list[tuple[Piece, str]]) -> tuple[PackRef, list[Entry], bool]:
-        key = pack.pack_key([(p.name, p.kind, p.start, k) for p, k in members])
+        key = pack.pack_key([(p.name, p.kind, p.start, k) for p, k in members], objects.content_hash)
         raw_size = sum(p.nbytes for p, _ in members)
         # Hashing is cheap, compressing is not: an existing pack is only freshened.
         size = objects.touch(pack_name(key))

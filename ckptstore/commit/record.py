@@ -95,7 +95,7 @@ def publish(
     StorageError saying the step is committed when the catalog cannot record it (disk full).
     """
     name = manifest_name(record.step)
-    data = manifest.encode(record)
+    data = manifest.encode(record, objects.content_hash)
     # "Already there" is also the answer to a retried write whose first reply was lost.
     if not objects.put_if_absent(name, data, single_request=True) and objects.get(name) != data:
         raise ConflictError(

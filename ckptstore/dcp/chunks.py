@@ -149,7 +149,13 @@ class ChunkFetcher:
                     (
                         where,
                         self._shaped(
-                            where, pack.decode_entry(blob, entry, numel * codec.DTYPES[dtype].itemsize)
+                            where,
+                            pack.decode_entry(
+                                blob,
+                                entry,
+                                numel * codec.DTYPES[dtype].itemsize,
+                                self.objects.content_hash,
+                            ),
                         ),
                     )
                 )

@@ -10,8 +10,9 @@ element regrouped by significance, then one zstd frame), or ZSTD_PLANES: the sam
 one *plane* per byte position, each stored as ``u8 compressed? u64 length data``. Exponent
 planes of floats are alike and compress well; low mantissa planes are noise, and a sample
 tells which is which, so noise is stored raw without spending time compressing it.
-The key is the xxh3-128 of the dtype, the shape and the *uncompressed* bytes, so it does not
-depend on the codec, and every decode re-hashes and compares.
+The key is the store's content hash (``format.hashing``: xxh3-128, or keyed BLAKE3 with a key)
+of the dtype, the shape and the *uncompressed* bytes, so it does not depend on the codec, and
+every decode re-hashes and compares.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 import zstandard
 
 from .. import knobs
 from ..errors import CorruptError, UnsupportedError
+from ..hashing import PLAIN, ContentHash
 from .config import check_version
 
 MAGIC = b"CKPB"
@@ -73,11 +74,11 @@ def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-def tensor_key(tensor: torch.Tensor, raw: np.ndarray | None = None) -> str:
-    """The content key: 32 hex digits of xxh3-128 over dtype, shape and raw bytes."""
+def tensor_key(tensor: torch.Tensor, raw: np.ndarray | None = None, content_hash: ContentHash = PLAIN) -> str:
+    """The content key: 32 hex digits of ``content_hash`` (the store's) over dtype, shape and raw bytes."""
     if raw is None:
         raw = raw_bytes(tensor)
-    digest = xxhash.xxh3_128()
+    digest = content_hash.digest()
     digest.update(f"{dtype_name(tensor.dtype)}:{tuple(tensor.shape)}:".encode())
     digest.update(raw)
     return digest.hexdigest()
@@ -121,24 +122,28 @@ def _header(codec: int, dtype: str, shape: tuple[int, ...], raw_size: int) -> by
     )
 
 
-def encode(tensor: torch.Tensor, key: str | None = None) -> tuple[str, bytes]:
+def encode(
+    tensor: torch.Tensor, key: str | None = None, content_hash: ContentHash = PLAIN
+) -> tuple[str, bytes]:
     """Encode a tensor as ``(key, blob bytes)``: ``encode_parts`` joined into one bytes object."""
-    key, parts = encode_parts(tensor, key)
+    key, parts = encode_parts(tensor, key, content_hash)
     return key, b"".join(parts)
 
 
-def encode_parts(tensor: torch.Tensor, key: str | None = None) -> tuple[str, list]:
+def encode_parts(
+    tensor: torch.Tensor, key: str | None = None, content_hash: ContentHash = PLAIN
+) -> tuple[str, list]:
     """Encode a tensor as ``(key, buffers)``: the blob is the buffers laid end to end.
 
     The payload is zstd-compressed (byte-grouped for multi-byte elements) unless compression
     saves too little to be worth the decode time, in which case the raw bytes are stored.
-    ``key``: the tensor's ``tensor_key``, when the caller has just computed it (not hashed again).
-    The parts are written as they are (``os.writev``): joining them would copy every blob
+    ``key``: the tensor's ``tensor_key``, when the caller has just computed it (not hashed again;
+    else it is hashed with ``content_hash``). The parts are written as they are (``os.writev``): joining them would copy every blob
     once more, holding the GIL.
     """
     dtype = dtype_name(tensor.dtype)
     raw = raw_bytes(tensor)
-    key = tensor_key(tensor, raw) if key is None else key
+    key = tensor_key(tensor, raw, content_hash) if key is None else key
     shape = tuple(tensor.shape)
     itemsize = tensor.element_size()
     payload, codec = [raw], RAW
@@ -268,8 +273,14 @@ def check_raw_size(info: BlobInfo, raw_size: int | None) -> None:
         raise CorruptError(f"blob header declares {info.raw_size} bytes, its referrer records {raw_size}")
 
 
-def decode(blob: bytes | memoryview, key: str | None = None, raw_size: int | None = None) -> torch.Tensor:
-    """Decode blob bytes into a tensor; when ``key`` is given, verify the content hash.
+def decode(
+    blob: bytes | memoryview,
+    key: str | None = None,
+    raw_size: int | None = None,
+    content_hash: ContentHash = PLAIN,
+) -> torch.Tensor:
+    """Decode blob bytes into a tensor; when ``key`` is given, verify that the content hashes
+    to it by ``content_hash`` (the store's).
 
     ``raw_size``: the uncompressed size the blob's referrer records; the header must declare
     exactly that before anything is allocated (``check_raw_size``). Without it a RAW blob is
@@ -283,11 +294,13 @@ def decode(blob: bytes | memoryview, key: str | None = None, raw_size: int | Non
     if info.codec == RAW and payload != info.raw_size:
         raise CorruptError(f"blob payload holds {payload} bytes, header says {info.raw_size}")
     tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype])
-    decode_into(blob, key, tensor)
+    decode_into(blob, key, tensor, content_hash)
     return tensor
 
 
-def decode_into(blob: bytes | memoryview, key: str | None, out: torch.Tensor) -> None:
+def decode_into(
+    blob: bytes | memoryview, key: str | None, out: torch.Tensor, content_hash: ContentHash = PLAIN
+) -> None:
     """Decode blob bytes straight into ``out`` (contiguous, of the blob's dtype and element
     count, any shape) and, when ``key`` is given, verify them against it: ``decode`` without
     allocating.
@@ -315,7 +328,7 @@ def decode_into(blob: bytes | memoryview, key: str | None, out: torch.Tensor) ->
             target[:] = raw.reshape(dtype.itemsize, -1).T.reshape(-1) if info.codec == ZSTD_GROUPED else raw
     except (zstandard.ZstdError, struct.error) as exc:
         raise CorruptError(f"blob payload does not decode: {exc}") from None
-    if key is not None and tensor_key(out.reshape(info.shape)) != key:
+    if key is not None and tensor_key(out.reshape(info.shape), content_hash=content_hash) != key:
         raise CorruptError(f"blob content does not hash to its key {key}")
 
 

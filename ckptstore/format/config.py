@@ -12,6 +12,8 @@ import json
 from typing import Any
 
 from ..errors import BadInputError, CorruptError, NotFoundError, UnsupportedError
+from ..hashing import ContentHash
+from ..keys import HOW_TO_PASS
 from ..objects import ObjectStore
 from .layout import BLOBS, CONFIG, FILES, MANIFESTS, PACKS
 
@@ -20,6 +22,10 @@ NAMESPACES = (BLOBS, PACKS, FILES, MANIFESTS, "tier/")
 
 # 1: a blob per stored tensor. 2: a pack per rank and layer (``format.pack``), CKPM manifests.
 STORE_FORMAT_VERSION = 2
+# 3: format 2 in a store with a key: keyed content keys, tagged manifests (``ckptstore.hashing``).
+# Only a store created with a key has it, so that an older ckptstore refuses the store whole
+# rather than reading what it cannot check.
+AUTHENTICATED_FORMAT_VERSION = 3
 
 
 def check_version(what: str, version: Any, supported: int) -> int:
@@ -36,7 +42,11 @@ def check_version(what: str, version: Any, supported: int) -> int:
 
 
 def ensure_config(objects: ObjectStore, *, create: bool = True) -> dict:
-    """The store's config, written first if the store has none; refuses a newer format.
+    """The store's config, written first if the store has none; refuses a newer format, and a
+    store whose key ``objects.content_hash`` does not match (``check_key``).
+
+    A store is created authenticated when ``objects`` carries a key (format 3, recording the
+    key's check value, never the key).
 
     Without a config, ``objects`` is a store only if it holds nothing but what a store holds
     (a store whose config was lost: the config is written again); else, when empty, it becomes
@@ -49,7 +59,7 @@ def ensure_config(objects: ObjectStore, *, create: bool = True) -> dict:
         if not _holds_a_store(objects):
             if not create:
                 raise NotFoundError(f"no store at {objects.uri} (it has no {CONFIG})") from None
-        config = {"format_version": STORE_FORMAT_VERSION, "hash": "xxh3-128", "codec": "ckpb1+zstd"}
+        config = new_config(objects.content_hash)
         if not objects.put_if_absent(CONFIG, json.dumps(config, sort_keys=True).encode()):
             return ensure_config(objects)  # another process created the store meanwhile
         return config
@@ -59,8 +69,37 @@ def ensure_config(objects: ObjectStore, *, create: bool = True) -> dict:
         raise CorruptError(f"{objects.uri}/{CONFIG} is not valid JSON") from None
     if not isinstance(config, dict):
         raise CorruptError(f"{objects.uri}/{CONFIG} is not a JSON object")
-    check_version(f"the store {objects.uri}", config.get("format_version"), STORE_FORMAT_VERSION)
+    check_version(f"the store {objects.uri}", config.get("format_version"), AUTHENTICATED_FORMAT_VERSION)
+    check_key(objects.uri, config, objects.content_hash)
     return config
+
+
+def new_config(content_hash: ContentHash) -> dict:
+    """The config of a new store whose content is named by ``content_hash``."""
+    config = {"format_version": STORE_FORMAT_VERSION, "hash": content_hash.name, "codec": "ckpb1+zstd"}
+    if content_hash.authenticated:
+        config.update(format_version=AUTHENTICATED_FORMAT_VERSION, key_check=content_hash.key_check)
+    return config
+
+
+def check_key(uri: str, config: dict, content_hash: ContentHash) -> None:
+    """Refuse to open the store at ``uri`` (config ``config``) with ``content_hash``: a store
+    created with a key opens only with that key, one created without only without (BadInputError
+    saying how); CorruptError for a config that claims a key inconsistently."""
+    authenticated = config.get("format_version") == AUTHENTICATED_FORMAT_VERSION
+    if authenticated != (config.get("hash") == "blake3-keyed-128") or (
+        authenticated and not isinstance(config.get("key_check"), str)
+    ):
+        raise CorruptError(f"the store {uri} has a config that is neither with a key nor without one")
+    if authenticated and not content_hash.authenticated:
+        raise BadInputError(f"the store {uri} was created with a key and opens only with it: {HOW_TO_PASS}")
+    if not authenticated and content_hash.authenticated:
+        raise BadInputError(
+            f"the store {uri} was created without a key; open it without one (a key cannot be "
+            "added to an existing store: commit into a new store opened with the key)"
+        )
+    if authenticated and config["key_check"] != content_hash.key_check:
+        raise BadInputError(f"the key given is not the key of the store {uri} (it was created with another)")
 
 
 # What a store holds besides its config: the layout's namespaces, and a local store's catalog and lock.

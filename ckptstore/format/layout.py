@@ -149,6 +149,12 @@ class ManifestListing(Listing[int]):
         return self.generations[step][-1]
 
 
+def generations_of(objects: ObjectStore, step: int) -> list[int]:
+    """The generations of ``step``'s manifests in ``objects``, ascending (one listing of the step's names)."""
+    found = (parse_manifest_name(info.name) for info in objects.list(f"{MANIFESTS}{step:012d}."))
+    return sorted(parsed[1] for parsed in found if parsed is not None and parsed[0] == step)
+
+
 def list_manifests(objects: ObjectStore) -> ManifestListing:
     """Every step's newest manifest by step, every generation found, and the stray names."""
     by_name = _listing(objects, MANIFESTS, parse_manifest_name)

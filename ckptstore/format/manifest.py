@@ -10,6 +10,11 @@ Format 2, which ckptstore writes, is ``b"CKPM" u8 2`` then one zstd frame (with 
 of ``u32 len(body) body`` and the pack indexes (``format.layerpacks``) back to back: ``body``
 is format 1's JSON without ``version``, plus ``"packs": [[layer, source, length], ...]``; its
 ``tensors`` and ``blobs`` are only those of layers inherited from format-1 steps.
+
+Format 3 is format 2 in a store with a key: ``b"CKPM" u8 3``, a 32-byte tag, then the same
+frame. The tag (``hashing.ContentHash.tag``) binds the frame to the manifest's object name, so
+step and generation: a manifest written without the key, or moved to another step's or
+generation's name, does not match and is refused before a byte of it is decompressed.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import zstandard
 
 from .. import knobs
 from ..errors import CorruptError, clip
+from ..hashing import PLAIN, ContentHash
 from ..model import BlobRow, FileRow, StepRecord, TensorRow
-from . import codec, layerpacks
+from . import codec, layerpacks, layout
 from .config import check_version
 
 MANIFEST_VERSION = 2
+AUTHENTICATED_VERSION = 3
 MAGIC = b"CKPM"
+TAG_BYTES = 32
 # What parsing a damaged manifest raises besides CorruptError (a nesting past the stack too).
 _MALFORMED = (
     ValueError,
@@ -77,23 +85,31 @@ def encode_v1(record: StepRecord) -> bytes:
     return _canonical({"version": 1, **_body(record)})
 
 
-def encode(record: StepRecord) -> bytes:
-    """Canonical format-2 bytes of ``record``."""
+def encode(record: StepRecord, content_hash: ContentHash = PLAIN, generation: int = 0) -> bytes:
+    """Canonical bytes of ``record``: format 2, or with a keyed ``content_hash`` (the store's)
+    format 3, tagged for its name (``record.step`` and ``generation``)."""
     indexes = [(layer, packs.step, layerpacks.encode(packs)) for layer, packs in record.packs.items()]
     body = _canonical(
         {**_body(record), "packs": [[layer, source, len(data)] for layer, source, data in indexes]}
     )
     payload = b"".join([_LENGTH.pack(len(body)), body, *(data for _, _, data in indexes)])
-    compressor = zstandard.ZstdCompressor(level=9, write_checksum=True)
-    return MAGIC + bytes([MANIFEST_VERSION]) + compressor.compress(payload)
+    frame = zstandard.ZstdCompressor(level=9, write_checksum=True).compress(payload)
+    if not content_hash.authenticated:
+        return MAGIC + bytes([MANIFEST_VERSION]) + frame
+    tag = content_hash.tag(layout.manifest_name(record.step, generation), frame)
+    return MAGIC + bytes([AUTHENTICATED_VERSION]) + tag + frame
 
 
-def decode(data: bytes) -> StepRecord:
-    """The record in manifest bytes of either format. Each tensor row gets its layer's source step.
+def decode(data: bytes, content_hash: ContentHash = PLAIN, name: str | None = None) -> StepRecord:
+    """The record in manifest bytes of any format. Each tensor row gets its layer's source step.
 
-    Raises UnsupportedError for a manifest a newer ckptstore wrote, CorruptError for anything
-    malformed.
+    With a keyed ``content_hash`` (the store's) only format 3 is read, and only when its tag
+    matches the object ``name`` it was read from; without, format 3 is refused (nothing can
+    check it). Raises UnsupportedError for a manifest a newer ckptstore wrote, CorruptError for
+    anything malformed or not authentic (naming ``name``).
     """
+    if content_hash.authenticated:
+        data = _authentic_frame(data, content_hash, name)
     try:
         if bytes(data[:4]) == MAGIC:
             body, indexes = _unwrap(data)
@@ -109,11 +125,30 @@ def decode(data: bytes) -> StepRecord:
         raise CorruptError(f"malformed manifest: {clip(repr(exc))}") from None
 
 
+def _authentic_frame(data: bytes, content_hash: ContentHash, name: str | None) -> bytes:
+    """Format 3 ``data`` turned into the format-2 bytes of its frame once its tag matches ``name``."""
+    if name is None:
+        raise ValueError("an authenticated manifest is read with its object name")
+    if len(data) < 5 + TAG_BYTES or bytes(data[:4]) != MAGIC or data[4] != AUTHENTICATED_VERSION:
+        raise CorruptError(
+            f"manifest {name} is not authentic: it has no tag (it was written without the store's key)"
+        )
+    tag, frame = bytes(data[5 : 5 + TAG_BYTES]), bytes(data[5 + TAG_BYTES :])
+    if not content_hash.tag_matches(name, frame, tag):
+        raise CorruptError(
+            f"manifest {name} is not authentic: its tag does not match (written without the store's "
+            "key, changed, or moved from another step or generation)"
+        )
+    return MAGIC + bytes([MANIFEST_VERSION]) + frame
+
+
 def _unwrap(data: bytes) -> tuple[dict, bytes]:
     """Format 2's JSON body and the pack indexes after it."""
     if len(data) < 5:
         raise CorruptError("malformed manifest: truncated")
-    check_version("manifest", data[4], MANIFEST_VERSION)
+    if data[4] == AUTHENTICATED_VERSION:
+        raise CorruptError("malformed manifest: a tagged manifest in a store without a key")
+    check_version("manifest", data[4], AUTHENTICATED_VERSION)
     frame = bytes(data[5:])
     # The manifest is where a step's sizes start: nothing refers to it but its name, so the
     # only referrer of its size is its own stored length. Its JSON compresses tens of times,

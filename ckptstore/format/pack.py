@@ -9,7 +9,7 @@ a step has ranks x layers objects. Layout (integers little-endian)::
 The index is canonical JSON: ``[[name, kind, start, key, offset, length], ...]`` in entry order,
 where ``key`` is the entry tensor's content key (``codec.tensor_key``) and ``offset``/``length``
 place its blob (a ``codec`` blob, self-describing) in the pack, counted from the pack's first
-byte. The pack's key is the xxh3-128 of its *contents*, ``[[name, kind, start, key], ...]``:
+byte. The pack's key is the store's content hash (``format.hashing``) of its *contents*, ``[[name, kind, start, key], ...]``:
 equal contents make equal packs whatever the codec made of them, so a commit knows a pack's
 key, and whether the store has it, before compressing anything, and an unchanged layer is
 stored once.
@@ -27,9 +27,9 @@ import struct
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from ..errors import CorruptError, clip
+from ..hashing import PLAIN, ContentHash
 from . import codec
 from .config import check_version
 
@@ -53,38 +53,46 @@ class Entry:
     length: int
 
 
-def pack_key(contents: list[tuple[str, str, int, str]]) -> str:
+def pack_key(contents: list[tuple[str, str, int, str]], content_hash: ContentHash = PLAIN) -> str:
     """The key of a pack holding ``(name, kind, start, content key)`` entries in this order:
-    32 hex digits of xxh3-128 over their canonical JSON."""
-    return xxhash.xxh3_128(
-        json.dumps([list(c) for c in contents], separators=(",", ":")).encode()
-    ).hexdigest()
+    32 hex digits of ``content_hash`` (the store's) over their canonical JSON."""
+    return content_hash.key_of(json.dumps([list(c) for c in contents], separators=(",", ":")).encode())
 
 
 def encode_parts(
-    tensors: list[tuple[str, str, int, torch.Tensor]], keys: list[str] | None = None
+    tensors: list[tuple[str, str, int, torch.Tensor]],
+    keys: list[str] | None = None,
+    content_hash: ContentHash = PLAIN,
 ) -> tuple[str, list, list[Entry]]:
     """Encode ``(name, kind, start, tensor)`` items as one pack: ``(key, buffers, entries)``.
 
     The pack is the buffers laid end to end (written without joining them, as blobs are).
-    ``keys``: the tensors' content keys when the caller has them (not hashed again).
+    ``keys``: the tensors' content keys when the caller has them (not hashed again); the
+    store's ``content_hash`` makes the others and the pack key.
     """
     keys = keys or [None] * len(tensors)
-    blobs = [codec.encode_parts(tensor, key) for (_, _, _, tensor), key in zip(tensors, keys, strict=True)]
+    blobs = [
+        codec.encode_parts(tensor, key, content_hash)
+        for (_, _, _, tensor), key in zip(tensors, keys, strict=True)
+    ]
     return assemble(
         [
             (name, kind, start, key, parts)
             for (name, kind, start, _), (key, parts) in zip(tensors, blobs, strict=True)
-        ]
+        ],
+        content_hash,
     )
 
 
-def assemble(items: list[tuple[str, str, int, str, list]]) -> tuple[str, list, list[Entry]]:
+def assemble(
+    items: list[tuple[str, str, int, str, list]], content_hash: ContentHash = PLAIN
+) -> tuple[str, list, list[Entry]]:
     """One pack of already encoded entries ``(name, kind, start, content key, blob buffers)``:
     ``(key, buffers, entries)`` as ``encode_parts`` returns them. Thinning a pack (``thin``)
     copies the entries it keeps this way, byte for byte."""
     sizes = [sum(memoryview(part).nbytes for part in parts) for *_, parts in items]
-    key, head, entries = head_for([(name, kind, start, key) for name, kind, start, key, _ in items], sizes)
+    contents = [(name, kind, start, key) for name, kind, start, key, _ in items]
+    key, head, entries = head_for(contents, sizes, content_hash)
     parts = [head]
     for *_, blob_parts in items:
         parts.extend(blob_parts)
@@ -106,13 +114,19 @@ def spill(tensors: list[tuple[str, str, int, torch.Tensor]], keys: list[str], fd
                 view = view[os.write(fd, view) :]
         del parts, views
     contents = [(name, kind, start, key) for (name, kind, start, _), key in zip(tensors, keys, strict=True)]
-    _, head, _ = head_for(contents, sizes)
-    return head, sum(sizes)
+    return _head(contents, sizes)[0], sum(sizes)
 
 
-def head_for(contents: list[tuple[str, str, int, str]], sizes: list[int]) -> tuple[str, bytes, list[Entry]]:
-    """The key, preamble and index (``head``) and entries of a pack whose ``contents``' blobs
-    of ``sizes`` bytes follow the head end to end."""
+def head_for(
+    contents: list[tuple[str, str, int, str]], sizes: list[int], content_hash: ContentHash = PLAIN
+) -> tuple[str, bytes, list[Entry]]:
+    """The key (by ``content_hash``, the store's), preamble and index (``head``) and entries
+    of a pack whose ``contents``' blobs of ``sizes`` bytes follow the head end to end."""
+    head, entries = _head(contents, sizes)
+    return pack_key(contents, content_hash), head, entries
+
+
+def _head(contents: list[tuple[str, str, int, str]], sizes: list[int]) -> tuple[bytes, list[Entry]]:
     # The offsets depend on the index's length, which depends on the offsets' digits: settle it.
     length = 0
     while True:
@@ -125,7 +139,7 @@ def head_for(contents: list[tuple[str, str, int, str]], sizes: list[int]) -> tup
         if len(index) == length:
             break
         length = len(index)
-    return pack_key(contents), PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(index)) + index, entries
+    return PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(index)) + index, entries
 
 
 def index_bytes(entries: list[Entry]) -> bytes:
@@ -150,10 +164,15 @@ def index_length(preamble: bytes | memoryview, size: int | None = None) -> int:
     return length
 
 
-def parse_index(head: bytes | memoryview, key: str | None = None, size: int | None = None) -> list[Entry]:
+def parse_index(
+    head: bytes | memoryview,
+    key: str | None = None,
+    size: int | None = None,
+    content_hash: ContentHash = PLAIN,
+) -> list[Entry]:
     """The entries of a pack from its first bytes (preamble and index; more is ignored).
 
-    With ``key``, the index must hash to it; with ``size`` (the pack's stored size, as the
+    With ``key``, the index must hash to it by ``content_hash`` (the store's); with ``size`` (the pack's stored size, as the
     layer index records it), the index and every entry must lie within that many bytes.
     Raises CorruptError for anything malformed, UnsupportedError for a pack of a newer format.
     """
@@ -168,7 +187,7 @@ def parse_index(head: bytes | memoryview, key: str | None = None, size: int | No
         ]
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptError(f"malformed pack index: {clip(repr(exc))}") from None
-    if key is not None and pack_key([(e.name, e.kind, e.start, e.key) for e in entries]) != key:
+    if key is not None and pack_key([(e.name, e.kind, e.start, e.key) for e in entries], content_hash) != key:
         raise CorruptError(f"pack index does not hash to {key}")
     position = PREAMBLE.size + length
     for entry in entries:
@@ -184,37 +203,46 @@ def _named(entry: Entry) -> str:
     return clip(f"{entry.name} {entry.kind}", 120)
 
 
-def decode_entry(data: bytes | memoryview, entry: Entry, raw_size: int | None = None) -> torch.Tensor:
+def decode_entry(
+    data: bytes | memoryview, entry: Entry, raw_size: int | None = None, content_hash: ContentHash = PLAIN
+) -> torch.Tensor:
     """The tensor of ``entry`` from ``data``, the pack's bytes from ``entry.offset`` on (at least
-    ``entry.length`` of them), verified against its content key. ``raw_size``: the bytes the
-    layer index says the entry's tensor holds (see ``codec.decode``)."""
+    ``entry.length`` of them), verified against its content key by ``content_hash`` (the
+    store's). ``raw_size``: the bytes the layer index says the entry's tensor holds (see
+    ``codec.decode``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
     try:
-        return codec.decode(blob, entry.key, raw_size)
+        return codec.decode(blob, entry.key, raw_size, content_hash)
     except CorruptError as exc:
         raise CorruptError(f"pack entry {_named(entry)}: {exc}") from None
 
 
-def decode_entry_into(data: bytes | memoryview, entry: Entry, out: torch.Tensor) -> None:
+def decode_entry_into(
+    data: bytes | memoryview, entry: Entry, out: torch.Tensor, content_hash: ContentHash = PLAIN
+) -> None:
     """``decode_entry`` straight into ``out`` (see ``codec.decode_into``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    codec.decode_into(blob, entry.key, out)
+    codec.decode_into(blob, entry.key, out, content_hash)
 
 
 def decode(
-    data: bytes | memoryview, key: str | None = None, raw_size: int | None = None
+    data: bytes | memoryview,
+    key: str | None = None,
+    raw_size: int | None = None,
+    content_hash: ContentHash = PLAIN,
 ) -> list[tuple[Entry, torch.Tensor]]:
-    """Every entry of a whole pack with its verified tensor; the pack must end after its last.
+    """Every entry of a whole pack with its tensor, verified by ``content_hash`` (the store's);
+    the pack must end after its last.
 
     ``raw_size``: the bytes of tensors the layer index records for the pack; its entries'
     headers must declare that much together before any is decoded.
     """
     view = memoryview(data)
-    entries = parse_index(view, key)
+    entries = parse_index(view, key, content_hash=content_hash)
     end = entries[-1].offset + entries[-1].length if entries else PREAMBLE.size + index_length(view)
     if len(view) != end:
         raise CorruptError(f"pack holds {len(view)} bytes, its index accounts for {end}")
@@ -224,4 +252,6 @@ def decode(
             raise CorruptError(
                 f"pack entries declare {declared} bytes of tensors, its referrer records {raw_size}"
             )
-    return [(entry, decode_entry(view[entry.offset :], entry)) for entry in entries]
+    return [
+        (entry, decode_entry(view[entry.offset :], entry, content_hash=content_hash)) for entry in entries
+    ]

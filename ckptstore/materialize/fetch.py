@@ -55,10 +55,10 @@ def fetch_blob(
     """
     if objects.reads_are_local:
         with cpu:
-            return codec.decode(objects.get(blob_name(key)), key, raw_size)
+            return codec.decode(objects.get(blob_name(key)), key, raw_size, objects.content_hash)
     data = objects.get(blob_name(key))
     with cpu:
-        return codec.decode(data, key, raw_size)
+        return codec.decode(data, key, raw_size, objects.content_hash)
 
 
 def fetch_pack(
@@ -68,7 +68,7 @@ def fetch_pack(
     ``raw_size``: the bytes of tensors its layer index records (see ``pack.decode``)."""
     data = objects.get(pack_name(key))
     with cpu:
-        return pack.decode(data, key, raw_size)
+        return pack.decode(data, key, raw_size, objects.content_hash)
 
 
 def fetch_pack_index(objects: ObjectStore, ref: PackRef) -> dict[tuple[str, str, int], pack.Entry]:
@@ -87,7 +87,9 @@ def fetch_pack_head(
     needed = pack.PREAMBLE.size + pack.index_length(head, ref.size)
     if needed > len(head):
         head = objects.get_range(name, 0, needed)
-    entries = {(e.name, e.kind, e.start): e for e in pack.parse_index(head, ref.key, ref.size)}
+    entries = {
+        (e.name, e.kind, e.start): e for e in pack.parse_index(head, ref.key, ref.size, objects.content_hash)
+    }
     return entries, head
 
 

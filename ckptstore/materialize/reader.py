@@ -184,11 +184,16 @@ class StepReader:
                 raw_size = int(row[NUMEL]) * itemsize  # what the layer index allows the entry
                 if in_head is not None:
                     with self._cpu:
-                        tensor = pack.decode_entry(in_head, entry, raw_size)
+                        tensor = pack.decode_entry(in_head, entry, raw_size, self._objects.content_hash)
                 else:
                     tensor = self._read(
                         partial(self._entry_bytes, ref.key, head, entry, (name, kind, int(row[START]))),
-                        partial(pack.decode_entry, entry=entry, raw_size=raw_size),
+                        partial(
+                            pack.decode_entry,
+                            entry=entry,
+                            raw_size=raw_size,
+                            content_hash=self._objects.content_hash,
+                        ),
                     )
                 if tensor.numel() != row[NUMEL]:
                     raise CorruptError(f"its {name} {kind} has {tensor.numel()} elements, not {row[NUMEL]}")
@@ -309,7 +314,7 @@ class StepReader:
             if data is None:
                 data = self._entry_bytes(ref.key, head, entry, (name, kind, start))
             with self._cpu:
-                pack.decode_entry_into(data, entry, out)
+                pack.decode_entry_into(data, entry, out, self._objects.content_hash)
         return True
 
     def span(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:

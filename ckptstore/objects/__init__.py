@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from ..errors import BadInputError
+from ..hashing import PLAIN, ContentHash
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ class ObjectStore(abc.ABC):
     #: Where a writer spills an object's parts before storing them (``FileRange``): beside the
     #: objects for a local directory, so copying them is cheap; None: the system's temp dir.
     spill_directory: str | None = None
+    #: The hash the store names content by (``ckptstore.hashing``); every reader and writer of
+    #: content keys takes it from here. Keyed for a store opened with its key.
+    content_hash: ContentHash = PLAIN
 
     @abc.abstractmethod
     def put_if_absent(self, name: str, data: Data, *, single_request: bool = False) -> bool:

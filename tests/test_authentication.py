@@ -1,0 +1,262 @@
+"""Authenticated stores: with a key, someone who can write the store but holds no key cannot
+change what any step restores, add a step, or make gc delete what an authentic step needs.
+
+Each attack is crafted as such a writer would: by writing the store's objects (and a local
+store's ``catalog.db``) directly, never through ckptstore. With a key every one is refused or
+ignored; the same attack on a store without a key documents today's limits there.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import BadInputError, CorruptError
+from ckptstore.format import layout, manifest
+from ckptstore.format.pack import PREAMBLE, Entry, index_bytes, parse_index
+from ckptstore.model import StepRecord
+from ckptstore.objects import open_objects
+from tests.test_gc import load_checkpoint_files, same
+from tools.engines import batches, train
+
+KEY = bytes(range(7, 39))
+LAYER = "model.layers.0"
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path):
+    """The URI of a new store on each backend."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3").uri()
+
+
+@pytest.fixture(params=[True, False], ids=["with-key", "without-key"])
+def keyed(request) -> bool:
+    return request.param
+
+
+def open_store(uri: str, keyed: bool):
+    return ckptstore.open(uri, key=KEY if keyed else None)
+
+
+def commit_two_steps(uri: str, keyed: bool, engine) -> dict[int, dict]:
+    """Commit steps 2 and 4 of ``engine``, one batch apart; what each restores before any attack."""
+    store = open_store(uri, keyed)
+    store.commit(engine, 2)
+    train(engine, batches(1, seed=7))
+    store.commit(engine, 4)
+    truth = {step: store.state_dict(step) for step in (2, 4)}
+    store.close()
+    return truth
+
+
+@pytest.fixture
+def committed(where, keyed, zero1_engine):
+    """A store holding steps 2 and 4, and what each restores before any attack."""
+    return where, commit_two_steps(where, keyed, zero1_engine)
+
+
+def attacker(uri: str):
+    """The store's objects as someone with write access but no key sees them."""
+    return open_objects(uri, create=False)
+
+
+def read_record(objects, step: int, generation: int = 0) -> StepRecord:
+    """A manifest decoded the way an attacker can: its tag, if any, is simply cut off."""
+    data = objects.get(layout.manifest_name(step, generation))
+    if data[4] == manifest.AUTHENTICATED_VERSION:
+        data = data[:4] + bytes([manifest.MANIFEST_VERSION]) + data[5 + manifest.TAG_BYTES :]
+    return manifest.decode(data)
+
+
+def forge(objects, record: StepRecord, generation: int = 0) -> None:
+    """Write ``record`` as ``record.step``'s manifest of ``generation``, tagged with random
+    bytes when the store has a key (the best a writer without the key can do)."""
+    data = manifest.encode(record)
+    config = objects.get(layout.CONFIG)
+    if b"key_check" in config:
+        data = data[:4] + bytes([manifest.AUTHENTICATED_VERSION]) + os.urandom(32) + data[5:]
+    name = layout.manifest_name(record.step, generation)
+    objects.delete(name)
+    objects.put_if_absent(name, data)
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def layer_weights(weights: dict) -> dict:
+    return {name: tensor for name, tensor in weights.items() if name.startswith(f"{LAYER}.")}
+
+
+def packs_on(objects) -> set[str]:
+    return set(layout.list_packs(objects).found)
+
+
+def test_a_manifest_that_repoints_a_step_is_ignored_with_a_key_and_obeyed_without(committed, keyed, tmp_path):
+    uri, truth = committed
+    warm = open_store(uri, keyed)  # this node's index already holds step 4
+    before = load_checkpoint_files(warm.materialize(4, tmp_path / "before"))
+    objects = attacker(uri)
+    record = read_record(objects, 4)
+    record.packs[LAYER] = read_record(objects, 2).packs[LAYER]
+    record.layer_sources[LAYER] = 2
+    forge(objects, record, generation=1)
+    warm.close()
+
+    store = open_store(uri, keyed)
+    if keyed:
+        assert store.steps() == [2, 4]
+        assert same_weights(store.state_dict(4), truth[4])
+        assert same(load_checkpoint_files(store.materialize(4, tmp_path / "after")), before)
+        problems = store.verify(deep=False).manifest_problems
+        assert len(problems) == 1 and "000000000004.1.json is not authentic" in problems[0]
+    else:  # today's limit: without a key the forged generation is step 4's record
+        assert same_weights(layer_weights(store.state_dict(4)), layer_weights(truth[2]))
+        assert store.verify(deep=True).ok
+
+
+def test_another_steps_manifest_replayed_under_a_newer_generation_is_ignored(committed, keyed):
+    uri, truth = committed
+    objects = attacker(uri)
+    objects.put_if_absent(layout.manifest_name(4, 1), objects.get(layout.manifest_name(2)))
+    store = open_store(uri, keyed)
+    if keyed:
+        assert same_weights(store.state_dict(4), truth[4])
+        assert same_weights(store.state_dict(2), truth[2])
+    else:  # without a key: step 4 is unreadable (the record names step 2)
+        with pytest.raises(CorruptError, match="describes step 2"):
+            store.state_dict(4)
+
+
+def empty_record(step: int, like: StepRecord) -> StepRecord:
+    return StepRecord(
+        step=step, created_at=like.created_at, world_size=like.world_size,
+        description=like.description, layer_sources={}, tensors=[], blobs=[],
+    )  # fmt: skip
+
+
+def test_fake_steps_are_not_steps_and_gc_will_not_count_them(committed, keyed):
+    uri, truth = committed
+    objects = attacker(uri)
+    real = read_record(objects, 4)
+    for step in range(5, 10):
+        forge(objects, empty_record(step, real))
+    packs = packs_on(objects)
+
+    store = open_store(uri, keyed)
+    if keyed:
+        assert store.steps() == [2, 4]
+        with pytest.raises(CorruptError, match="gc will not run"):
+            store.gc(keep_last=5, grace=0)
+        assert packs_on(objects) == packs
+        assert len(store.verify(deep=False).manifest_problems) == 5
+        assert same_weights(store.state_dict(2), truth[2])
+    else:  # without a key: the five fakes are the five newest steps, and every real pack goes
+        report = store.gc(keep_last=5, grace=0)
+        assert report.steps_dropped == [2, 4] and not packs_on(objects)
+
+
+def test_an_empty_newer_generation_cannot_make_gc_delete_a_steps_packs(committed, keyed):
+    uri, truth = committed
+    objects = attacker(uri)
+    forge(objects, empty_record(4, read_record(objects, 4)), generation=1)
+    packs = packs_on(objects)
+
+    store = open_store(uri, keyed)
+    store.gc(grace=0)
+    if keyed:
+        assert packs_on(objects) == packs
+        assert same_weights(store.state_dict(4), truth[4])
+    else:  # without a key: step 4 is the empty record, and its packs are swept
+        assert len(packs_on(objects)) < len(packs)
+
+
+def substitute_first_entry(objects, pack_key: str) -> None:
+    """Replace the first tensor of a pack by other bytes under the same entry key: the pack's
+    name, its index's contents and so its key stay as they were (what a second preimage of
+    the entry key would let a writer do without a key)."""
+    name = layout.pack_name(pack_key)
+    data = objects.get(name)
+    entries = parse_index(data)
+    first = next(e for e in entries if e.kind == "fp32" and e.length > 1000)  # what state_dict reads
+    blob = bytearray(data[first.offset : first.offset + first.length])
+    blob[-1] ^= 0xFF  # the last payload byte: raw noise planes take it as they are
+    data = data[: first.offset] + bytes(blob) + data[first.offset + first.length :]
+    assert index_bytes(entries) == data[PREAMBLE.size : PREAMBLE.size + len(index_bytes(entries))]
+    assert isinstance(first, Entry)
+    objects.delete(name)
+    objects.put_if_absent(name, data)
+
+
+def test_a_substituted_tensor_inside_a_pack_is_refused_naming_the_pack(committed, keyed, tmp_path):
+    uri, _ = committed
+    objects = attacker(uri)
+    ref = read_record(objects, 4).packs[LAYER].packs[0]
+    substitute_first_entry(objects, ref.key)
+
+    store = open_store(uri, keyed)
+    with pytest.raises(CorruptError, match=ref.key):
+        store.state_dict(4)
+    with pytest.raises(CorruptError, match=ref.key):
+        store.materialize(4, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    problems = store.verify(deep=True).problems
+    assert [p.blob for p in problems] == [ref.key]
+
+
+def test_a_planted_catalog_cannot_change_a_step_with_a_key(tmp_path, zero1_engine):
+    """A local store keeps its catalog in its own folder, where a store writer can change its
+    rows; a store with a key keeps none there and trusts only its authentic manifests."""
+    for keyed in (False, True):
+        uri = str(tmp_path / f"store-{keyed}")
+        truth = commit_two_steps(uri, keyed, zero1_engine)
+        catalog = tmp_path / f"store-{keyed}" / "catalog.db"
+        assert catalog.exists() != keyed
+        if keyed:  # the writer plants the catalog of the same steps, from another store
+            catalog.write_bytes((tmp_path / "store-False" / "catalog.db").read_bytes())
+        with sqlite3.connect(catalog) as db:
+            db.execute(
+                "UPDATE layer_packs SET packs = (SELECT packs FROM layer_packs WHERE step = 2 AND layer = ?) "
+                "WHERE step = 4 AND layer = ?",
+                (LAYER, LAYER),
+            )
+        weights = open_store(uri, keyed).state_dict(4)
+        if keyed:
+            assert same_weights(weights, truth[4])
+        else:  # without a key the catalog's rows are believed
+            assert same_weights(layer_weights(weights), layer_weights(truth[2]))
+
+
+def test_a_store_opens_only_with_the_key_it_was_created_with(tmp_path, run, monkeypatch):
+    keyed = ckptstore.open(tmp_path / "keyed", key=KEY)
+    assert b"blake3-keyed-128" in keyed.objects.get(layout.CONFIG)
+    assert KEY.hex() not in keyed.objects.get(layout.CONFIG).hex()
+    keyed.close()
+    with pytest.raises(BadInputError, match="created with a key and opens only with it: pass key="):
+        ckptstore.open(tmp_path / "keyed")
+    with pytest.raises(BadInputError, match="not the key of the store"):
+        ckptstore.open(tmp_path / "keyed", key=bytes(32))
+    ckptstore.open(tmp_path / "plain").close()
+    with pytest.raises(BadInputError, match="created without a key"):
+        ckptstore.open(tmp_path / "plain", key=KEY)
+    with pytest.raises(BadInputError, match="at least 32"):
+        ckptstore.open(tmp_path / "short", key=b"short")
+
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o644)
+    refused = run("--store", tmp_path / "keyed", "--key-file", key_file, "log")
+    assert refused.returncode == 2 and "chmod 600" in refused.stderr and KEY.hex() not in refused.stderr
+    key_file.chmod(0o600)
+    assert run("--store", tmp_path / "keyed", "--key-file", key_file, "log").returncode == 0
+    without = run("--store", tmp_path / "keyed", "log")
+    assert without.returncode == 2 and "--key-file" in without.stderr
+    monkeypatch.setenv("CKPTSTORE_KEY_FILE", str(key_file))
+    assert run("--store", tmp_path / "keyed", "log").returncode == 0
+    ckptstore.open(tmp_path / "keyed").close()
