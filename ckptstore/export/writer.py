@@ -2,10 +2,11 @@
 
 Several tensors are in flight, largest first across every file, so that one's decoding (zstd
 and the hash release the GIL) overlaps another's cast and ``pwrite``. A tensor stored in packs
-is decoded straight into ``Scratch`` memory, then cast a 4 MiB window at a time into more of
-it, each window written at its offset. That memory is kept and reused from one tensor to the
-next because fresh pages cost a page fault each: about 1 GB/s on the 2-core bench box, 0.3 s
-for an 81M model decoded to fp32, as much as the decoding itself.
+is decoded and cast straight into ``Scratch`` memory (``codec.decode_into``), then written;
+one read whole is cast a 4 MiB window at a time into more of it, each window written at its
+offset. That memory is kept and reused from one tensor to the next because fresh pages cost
+a page fault each: about 1 GB/s on the 2-core bench box, 0.3 s for an 81M model decoded to
+fp32, as much as the decoding itself.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import knobs
 from ..errors import CorruptError
+from ..format.cast import cast_into
 from ..model import BUFFER, Weight
-from .cast import cast_into
 from .safetensors_file import SafetensorsFile, tensor_bytes
 from .weights import StepWeights
 
@@ -57,7 +59,9 @@ class Scratch:
                     self._changed.wait()
             self._in_use += 1
             if self._arena is None:
-                self._arena = torch.empty(self._size, dtype=torch.uint8)  # pages come as touched
+                # numpy's memory, which asks for huge pages (see codec._unzstd_plane); pages
+                # come as touched.
+                self._arena = torch.from_numpy(np.empty(self._size, dtype=np.uint8))
             arena = self._arena
         try:
             yield arena[start : start + nbytes]
@@ -182,11 +186,15 @@ def _default_budget(needs: list[int]) -> int:
 
 def _need(shape: tuple[int, ...], stored: torch.dtype | None, dtype: torch.dtype) -> int:
     """Scratch bytes to export a tensor of ``shape`` stored as ``stored`` (None: read into a
-    tensor of its own) as ``dtype``: its stored bytes, then a window of the cast ones."""
-    source = 0 if stored is None else _aligned(tensor_bytes(shape, stored))
-    if stored is not None and (stored == dtype or not stored.is_floating_point):
-        return source
-    return source + min(tensor_bytes(shape, dtype), _CAST_WINDOW)
+    tensor of its own, then cast a window at a time) as ``dtype``: the bytes it is written from."""
+    if stored is None:
+        return min(tensor_bytes(shape, dtype), _CAST_WINDOW)
+    return tensor_bytes(shape, _written_dtype(stored, dtype))
+
+
+def _written_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor stored as ``stored`` is exported in: ``dtype`` if both are floating."""
+    return dtype if stored.is_floating_point and dtype.is_floating_point else stored
 
 
 def _write_weight(
@@ -197,14 +205,18 @@ def _write_weight(
     dtype: torch.dtype,
     memory: torch.Tensor,
 ) -> None:
-    """Read ``weight`` (decoded straight into ``memory`` when ``stored`` says it can be: see
-    ``_need``), cast it to ``dtype`` if floating point, and write it to ``file``."""
-    if stored is None:  # a tensor of its own (a DCP step, a format-1 blob)
-        source = weights.read(weight)
-    else:
-        source = memory[: tensor_bytes(weight.shape, stored)].view(stored).view(weight.shape)
-        if not weights.read_into(weight, source):
+    """Read ``weight`` (decoded, and cast, straight into ``memory`` when ``stored`` says it can
+    be: see ``_need``), cast it to ``dtype`` if floating point, and write it to ``file``."""
+    if stored is not None:
+        # Cast as it is decoded, a chunk at a time while in cache (codec.decode_into): the
+        # stored (fp32) tensor is never put together whole, only what is written.
+        written = _written_dtype(stored, dtype)
+        out = memory[: tensor_bytes(weight.shape, written)].view(written).view(weight.shape)
+        if not weights.read_into(weight, out):
             raise CorruptError(f"{weight.name}: its stored fragments cannot be decoded in place")
+        file.write(weight.name, out)
+        return
+    source = weights.read(weight)  # a tensor of its own (a DCP step, a format-1 blob)
     if not source.is_floating_point() or source.dtype == dtype:
         file.write(weight.name, source)
         return
