@@ -91,9 +91,10 @@ class StepWeights:
             return None
         return self._reader.dtype(weight.name, weight.kind)
 
-    def read_into(self, weight: Weight, out: torch.Tensor) -> bool:
+    def read_into(self, weight: Weight, out: torch.Tensor, staging: torch.Tensor | None = None) -> bool:
         """Decode ``weight`` straight into ``out`` (contiguous, its shape, its stored dtype or,
-        cast as ``Tensor.to`` casts, another floating one), verified; False (nothing read)
+        cast as ``Tensor.to`` casts, another floating one), its fragments one after the other
+        through ``staging`` (see ``codec.decode_into``), verified; False (nothing read)
         unless it is stored in packs. Raises NotFoundError /
         CorruptError as ``read`` does, CorruptError also when its fragments do not tile ``out``."""
         pieces = self._reader.pieces(weight.name, weight.kind)
@@ -112,7 +113,9 @@ class StepWeights:
             )
         flat = out.view(-1)
         for start, numel in pieces:
-            if not self._reader.read_into(weight.name, weight.kind, start, flat[start : start + numel]):
+            if not self._reader.read_into(
+                weight.name, weight.kind, start, flat[start : start + numel], staging
+            ):
                 raise CorruptError(
                     f"step {self.step}: {weight.name} {weight.kind} has two fragments at {start}"
                 )

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .. import knobs
@@ -59,9 +58,7 @@ class Scratch:
                     self._changed.wait()
             self._in_use += 1
             if self._arena is None:
-                # numpy's memory, which asks for huge pages (see codec._unzstd_plane); pages
-                # come as touched.
-                self._arena = torch.from_numpy(np.empty(self._size, dtype=np.uint8))
+                self._arena = torch.empty(self._size, dtype=torch.uint8)  # pages come as touched
             arena = self._arena
         try:
             yield arena[start : start + nbytes]
@@ -186,10 +183,14 @@ def _default_budget(needs: list[int]) -> int:
 
 def _need(shape: tuple[int, ...], stored: torch.dtype | None, dtype: torch.dtype) -> int:
     """Scratch bytes to export a tensor of ``shape`` stored as ``stored`` (None: read into a
-    tensor of its own, then cast a window at a time) as ``dtype``: the bytes it is written from."""
+    tensor of its own, then cast a window at a time) as ``dtype``: the bytes it is written from,
+    and when it is cast, the stored bytes its compressed byte planes are decompressed into."""
     if stored is None:
         return min(tensor_bytes(shape, dtype), _CAST_WINDOW)
-    return tensor_bytes(shape, _written_dtype(stored, dtype))
+    written = _written_dtype(stored, dtype)
+    if written == stored:
+        return tensor_bytes(shape, written)
+    return _aligned(tensor_bytes(shape, written)) + tensor_bytes(shape, stored)
 
 
 def _written_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
@@ -211,8 +212,12 @@ def _write_weight(
         # Cast as it is decoded, a chunk at a time while in cache (codec.decode_into): the
         # stored (fp32) tensor is never put together whole, only what is written.
         written = _written_dtype(stored, dtype)
-        out = memory[: tensor_bytes(weight.shape, written)].view(written).view(weight.shape)
-        if not weights.read_into(weight, out):
+        size = tensor_bytes(weight.shape, written)
+        out = memory[:size].view(written).view(weight.shape)
+        # Cast, the decompressed planes go in reused memory too: fresh pages fault (see above).
+        # Not so when none is cast: that would take twice the scratch memory of a tensor.
+        staging = memory[_aligned(size) :] if written != stored else None
+        if not weights.read_into(weight, out, staging):
             raise CorruptError(f"{weight.name}: its stored fragments cannot be decoded in place")
         file.write(weight.name, out)
         return

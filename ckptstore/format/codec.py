@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -204,49 +205,63 @@ def _unzstd(frame: memoryview, size: int, what: str) -> bytes:
     return _decompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
 
 
-def _unzstd_plane(frame: memoryview, size: int) -> np.ndarray:
-    """``_unzstd`` of a byte plane, into a new uint8 array.
+def _unzstd_into(frame: memoryview, out: np.ndarray) -> None:
+    """``_unzstd`` of a byte plane into ``out`` (uint8, as many bytes as the plane holds).
 
-    Into numpy's memory, not the bytes ``decompress`` returns: numpy asks for huge pages for
-    4 MiB or more (MADV_HUGEPAGE), where fresh bytes take a page fault per 4 KiB, and these
-    faults were a third of a bf16 export's CPU time on the 2-core bench box. A ``stream_reader``
-    decompresses into given memory, releasing the GIL as ``decompress`` does. It reads on
+    A ``stream_reader`` decompresses into given memory, releasing the GIL as ``decompress``
+    does, so that a caller can reuse memory: the fresh bytes ``decompress`` returns cost a page
+    fault per 4 KiB, most of a bf16 export's system time on the 2-core bench box. It reads on
     past the frame: bytes there fail unless they are another frame, whose content shows as
-    more than ``size`` bytes (an empty frame passes; the content is what it was, and hashed).
+    more bytes than ``out`` holds (an empty frame passes; the content is the same, and hashed).
     """
+    size = out.size
     declared = zstandard.frame_content_size(frame)
     if declared not in (-1, size):
         raise CorruptError(f"a byte plane's zstd frame declares {declared} bytes, expected {size}")
-    plane = np.empty(size, dtype=np.uint8)
-    view, done = memoryview(plane), 0
+    view, done = memoryview(out), 0
     with _decompressor().stream_reader(frame) as reader:
         while done < size and (got := reader.readinto(view[done:])):
             done += got
         if done != size or reader.read(1):
             raise CorruptError(f"a byte plane's zstd frame holds other than the {size} bytes expected")
-    return plane
 
 
-def _planes(payload: memoryview, itemsize: int, count: int) -> list[np.ndarray]:
+def _planes(
+    payload: memoryview, itemsize: int, count: int, staging: np.ndarray | None
+) -> Iterator[np.ndarray]:
     """The ``itemsize`` byte planes of a ZSTD_PLANES payload of ``count`` elements, in byte
-    order (plane 0 holds every element's first byte): views of ``payload`` where stored raw,
-    decompressed where not. CorruptError if the payload does not hold exactly that."""
-    planes = []
+    order (plane 0 holds every element's first byte), one by one: views of ``payload`` where
+    stored raw, decompressed where not, plane ``i`` into ``staging[i * count :]`` (None: new
+    memory, the caller's to drop before taking the next). CorruptError, once the last is
+    taken, if the payload does not hold exactly that."""
     offset = 0
-    for _ in range(itemsize):
+    for i in range(itemsize):
         compressed, length = struct.unpack_from("<BQ", payload, offset)
         offset += 9
         data = payload[offset : offset + length]
         if len(data) != length:
             raise CorruptError("blob payload is truncated inside a byte plane")
         offset += length
-        plane = _unzstd_plane(data, count) if compressed else np.frombuffer(data, dtype=np.uint8)
+        if compressed and staging is not None:
+            plane = staging[i * count : (i + 1) * count]
+            _unzstd_into(data, plane)
+        else:
+            plane = np.frombuffer(
+                _unzstd(data, count, "a byte plane") if compressed else data, dtype=np.uint8
+            )
         if plane.size != count:
             raise CorruptError(f"a byte plane holds {plane.size} bytes, expected {count}")
-        planes.append(plane)
+        yield plane
     if offset != len(payload):
         raise CorruptError("blob payload has trailing bytes after its last byte plane")
-    return planes
+
+
+def _store_planes(planes: Iterator[np.ndarray], out: np.ndarray) -> None:
+    """Store each byte plane at its place in ``out`` (uint8, elements x bytes), taking the next
+    only once one is stored: one decompressed plane in memory at a time, where joining words
+    (``_join_planes``) needs every one, for a quarter less time."""
+    for i, plane in enumerate(planes):
+        out[:, i] = plane
 
 
 def _chunk_memory(itemsize: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -281,14 +296,17 @@ def _join_planes(
     memory, low, high = _chunk_memory(itemsize)
     same = out.dtype == dtype
     target = out.view(torch.uint8).numpy().reshape(count, itemsize) if same else None
+    staged = None if same else torch.from_numpy(memory.reshape(-1)).view(dtype)
     for start in range(0, count, _CHUNK):
         end = min(count, start + _CHUNK)
         chunk = target[start:end] if same else memory[: end - start]
         _join_chunk([plane[start:end] for plane in planes], chunk, low, high)
         if digest is not None:
             digest.update(chunk)
-        if not same:
-            cast_into(torch.from_numpy(chunk).view(dtype).view(-1), out[start:end])
+        if not same:  # cast_into's copies, without its checks and views every chunk
+            for first in range(start, end, SERIAL_ELEMENTS):
+                last = min(end, first + SERIAL_ELEMENTS)
+                out[first:last].copy_(staged[first - start : last - start])
 
 
 def _join_chunk(planes: list[np.ndarray], chunk: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
@@ -379,11 +397,15 @@ def decode(blob: bytes | memoryview, key: str | None = None, raw_size: int | Non
     return tensor
 
 
-def decode_into(blob: bytes | memoryview, key: str | None, out: torch.Tensor) -> None:
+def decode_into(
+    blob: bytes | memoryview, key: str | None, out: torch.Tensor, staging: torch.Tensor | None = None
+) -> None:
     """Decode blob bytes straight into ``out`` (contiguous, of the blob's element count, any
     shape) and, when ``key`` is given, verify them against it: ``decode`` without allocating.
     ``out`` has the blob's dtype or, for a floating blob, another floating dtype: the tensor is
     then cast as ``Tensor.to`` casts (bit for bit), and the key checked over its stored bytes.
+    ``staging``: uint8 memory of at least the blob's uncompressed size for its compressed byte
+    planes, which a caller decoding many blobs reuses (fresh memory faults); None: new memory.
 
     Raises CorruptError as ``decode`` does, and if ``out`` does not fit the blob.
     """
@@ -399,7 +421,19 @@ def decode_into(blob: bytes | memoryview, key: str | None, out: torch.Tensor) ->
     digest = None if key is None else _key_digest(info.dtype, info.shape)
     try:
         if info.codec == ZSTD_PLANES:
-            _join_planes(_planes(payload, dtype.itemsize, count), dtype, out.reshape(-1), digest)
+            if staging is not None and staging.numel() < info.raw_size:
+                raise ValueError(f"staging of {staging.numel()} bytes for a blob of {info.raw_size}")
+            held = None if staging is None else staging.view(-1).numpy()
+            planes = _planes(payload, dtype.itemsize, count, held)
+            if out.dtype == dtype and held is None and dtype.itemsize > 2:
+                # Into new memory, not reused: one plane at a time (a float32 export's page
+                # faults were 150 MB so, 220 MB holding all four).
+                target = out.reshape(-1).view(torch.uint8).numpy()
+                _store_planes(planes, target.reshape(count, dtype.itemsize))
+                if digest is not None:
+                    digest.update(target)
+            else:
+                _join_planes(list(planes), dtype, out.reshape(-1), digest)
         else:
             raw = np.frombuffer(
                 payload if info.codec == RAW else _unzstd(payload, info.raw_size, "the blob payload"),

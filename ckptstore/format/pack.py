@@ -197,12 +197,14 @@ def decode_entry(data: bytes | memoryview, entry: Entry, raw_size: int | None = 
         raise CorruptError(f"pack entry {_named(entry)}: {exc}") from None
 
 
-def decode_entry_into(data: bytes | memoryview, entry: Entry, out: torch.Tensor) -> None:
-    """``decode_entry`` straight into ``out`` (see ``codec.decode_into``)."""
+def decode_entry_into(
+    data: bytes | memoryview, entry: Entry, out: torch.Tensor, staging: torch.Tensor | None = None
+) -> None:
+    """``decode_entry`` straight into ``out``, through ``staging`` (see ``codec.decode_into``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    codec.decode_into(blob, entry.key, out)
+    codec.decode_into(blob, entry.key, out, staging)
 
 
 def decode(
