@@ -174,11 +174,15 @@ def write_files(
 
 
 def _default_budget(needs: list[int]) -> int:
-    """Room for the largest tensor, and for a median one on each decoding thread; at least
+    """Room for the largest tensor and, beside it, for a median one on each other decoding
+    thread (the largest goes first: alone, it would leave the other cores idle); at least
     ``_MIN_BUDGET``. More would be memory touched for the first time (page faults), not speed."""
     if not needs:
         return _MIN_BUDGET
-    return max(_MIN_BUDGET, max(needs), knobs.cpu_threads() * int(statistics.median(needs)))
+    beside = (knobs.cpu_threads() - 1) * _aligned(int(statistics.median(needs)))
+    return max(
+        _MIN_BUDGET, _aligned(max(needs)) + beside, knobs.cpu_threads() * int(statistics.median(needs))
+    )
 
 
 def _need(shape: tuple[int, ...], stored: torch.dtype | None, dtype: torch.dtype) -> int:
