@@ -297,3 +297,58 @@ def test_every_bit_pattern_round_trips_through_byte_planes(dtype, data, fill, ev
     wrong.view(torch.uint8).view(-1)[0] ^= 1
     with pytest.raises(CorruptError, match="does not hash to its key"):
         codec.decode_into(blob, codec.tensor_key(wrong), out)
+
+
+def awkward_floats(n: int) -> torch.Tensor:
+    """``n`` fp32 values with every case a rounding can get wrong: ties, subnormals, infinities,
+    NaNs of several payloads and both signs, signed zeros, values past the half and bf16 ranges."""
+    torch.manual_seed(0)
+    values = torch.randn(n) * torch.logspace(-45, 38, n).clamp(max=3e38)
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-40, 65504.0, 7e4, 3.4e38]
+    )
+    values[: len(special)] = special
+    nans = torch.tensor([0x7FC00000, 0xFFC00001 - (1 << 32), 0x7F800001, 0x7FFFFFFF, 0xFF80FFFF - (1 << 32)])
+    values[20:25] = nans.to(torch.int32).view(torch.float32)
+    ties = torch.arange(1000, dtype=torch.int32) << 16 | 0x8000  # exactly halfway between bf16 values
+    values[100:1100] = ties.view(torch.float32)
+    return values
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("min_ratio", ["0", "0.97", "1000"])  # RAW, planes some compressed, all
+def test_decode_into_another_floating_dtype_casts_as_tensor_to(monkeypatch, stored, target, min_ratio):
+    # Past several of the chunks planes are joined and cast in, and not a whole number of them.
+    monkeypatch.setenv("CKPTSTORE_MIN_COMPRESS_RATIO", min_ratio)
+    tensor = awkward_floats(2 * codec._CHUNK + 12_346).to(stored).reshape(-1, 2)
+    key, blob = codec.encode(tensor)
+    out = torch.empty(tensor.shape, dtype=target)
+    codec.decode_into(blob, key, out)
+    assert torch.equal(out.view(torch.uint8), tensor.to(target).view(torch.uint8))
+    wrong = tensor.clone()
+    wrong.view(-1)[-1] = 1.0  # in the last chunk: the key is checked over every stored byte
+    with pytest.raises(CorruptError, match="does not hash to its key"):
+        codec.decode_into(blob, codec.tensor_key(wrong), out)
+
+
+def test_decode_into_casts_only_between_floating_dtypes():
+    key, blob = codec.encode(torch.arange(10, dtype=torch.int32))
+    with pytest.raises(CorruptError, match="does not fit"):
+        codec.decode_into(blob, key, torch.empty(10, dtype=torch.int64))
+    key, blob = codec.encode(torch.randn(10))
+    with pytest.raises(CorruptError, match="does not fit"):
+        codec.decode_into(blob, key, torch.empty(10, dtype=torch.int32))
+
+
+def test_a_byte_plane_with_more_after_its_frame_is_detected():
+    tensor = torch.zeros(4096, dtype=torch.float32)
+    key, blob = codec.encode(tensor)
+    header = codec.parse_header(blob)
+    payload = bytearray(blob[header.header_size :])
+    compressed, length = payload[0], int.from_bytes(payload[1:9], "little")
+    assert compressed
+    for extra in (b"\x00garbage", zstandard.ZstdCompressor().compress(b"more")):
+        grown = payload[:1] + (length + len(extra)).to_bytes(8, "little") + payload[9 : 9 + length] + extra
+        with pytest.raises(CorruptError):
+            codec.decode(bytes(blob[: header.header_size] + grown + payload[9 + length :]), key)

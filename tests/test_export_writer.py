@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from ckptstore.export.cast import cast, cast_into
 from ckptstore.export.writer import Scratch
+from ckptstore.format.cast import cast, cast_into
 
 
 def awkward_floats(n: int) -> torch.Tensor:

@@ -17,12 +17,12 @@ import torch
 from .. import knobs
 from ..catalog import Catalog
 from ..errors import BadInputError, CorruptError
+from ..format.cast import cast
 from ..format.codec import DTYPES
 from ..materialize import compose
 from ..materialize.directory import step_reader
 from ..model import BUFFER, FP32, WEIGHT, Weight
 from ..objects import ObjectStore
-from .cast import cast
 
 _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -91,9 +91,11 @@ class StepWeights:
             return None
         return self._reader.dtype(weight.name, weight.kind)
 
-    def read_into(self, weight: Weight, out: torch.Tensor) -> bool:
-        """Decode ``weight`` straight into ``out`` (contiguous, its stored dtype and shape),
-        verified; False (nothing read) unless it is stored in packs. Raises NotFoundError /
+    def read_into(self, weight: Weight, out: torch.Tensor, staging: torch.Tensor | None = None) -> bool:
+        """Decode ``weight`` straight into ``out`` (contiguous, its shape, its stored dtype or,
+        cast as ``Tensor.to`` casts, another floating one), its fragments one after the other
+        through ``staging`` (see ``codec.decode_into``), verified; False (nothing read)
+        unless it is stored in packs. Raises NotFoundError /
         CorruptError as ``read`` does, CorruptError also when its fragments do not tile ``out``."""
         pieces = self._reader.pieces(weight.name, weight.kind)
         if pieces is None:
@@ -111,7 +113,9 @@ class StepWeights:
             )
         flat = out.view(-1)
         for start, numel in pieces:
-            if not self._reader.read_into(weight.name, weight.kind, start, flat[start : start + numel]):
+            if not self._reader.read_into(
+                weight.name, weight.kind, start, flat[start : start + numel], staging
+            ):
                 raise CorruptError(
                     f"step {self.step}: {weight.name} {weight.kind} has two fragments at {start}"
                 )

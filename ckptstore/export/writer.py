@@ -2,10 +2,11 @@
 
 Several tensors are in flight, largest first across every file, so that one's decoding (zstd
 and the hash release the GIL) overlaps another's cast and ``pwrite``. A tensor stored in packs
-is decoded straight into ``Scratch`` memory, then cast a 4 MiB window at a time into more of
-it, each window written at its offset. That memory is kept and reused from one tensor to the
-next because fresh pages cost a page fault each: about 1 GB/s on the 2-core bench box, 0.3 s
-for an 81M model decoded to fp32, as much as the decoding itself.
+is decoded and cast straight into ``Scratch`` memory (``codec.decode_into``), then written;
+one read whole is cast a 4 MiB window at a time into more of it, each window written at its
+offset. That memory is kept and reused from one tensor to the next because fresh pages cost
+a page fault each: about 1 GB/s on the 2-core bench box, 0.3 s for an 81M model decoded to
+fp32, as much as the decoding itself.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 from .. import knobs
 from ..errors import CorruptError
+from ..format.cast import cast_into
 from ..model import BUFFER, Weight
-from .cast import cast_into
 from .safetensors_file import SafetensorsFile, tensor_bytes
 from .weights import StepWeights
 
@@ -173,20 +174,32 @@ def write_files(
 
 
 def _default_budget(needs: list[int]) -> int:
-    """Room for the largest tensor, and for a median one on each decoding thread; at least
+    """Room for the largest tensor and, beside it, for a median one on each other decoding
+    thread (the largest goes first: alone, it would leave the other cores idle); at least
     ``_MIN_BUDGET``. More would be memory touched for the first time (page faults), not speed."""
     if not needs:
         return _MIN_BUDGET
-    return max(_MIN_BUDGET, max(needs), knobs.cpu_threads() * int(statistics.median(needs)))
+    beside = (knobs.cpu_threads() - 1) * _aligned(int(statistics.median(needs)))
+    return max(
+        _MIN_BUDGET, _aligned(max(needs)) + beside, knobs.cpu_threads() * int(statistics.median(needs))
+    )
 
 
 def _need(shape: tuple[int, ...], stored: torch.dtype | None, dtype: torch.dtype) -> int:
     """Scratch bytes to export a tensor of ``shape`` stored as ``stored`` (None: read into a
-    tensor of its own) as ``dtype``: its stored bytes, then a window of the cast ones."""
-    source = 0 if stored is None else _aligned(tensor_bytes(shape, stored))
-    if stored is not None and (stored == dtype or not stored.is_floating_point):
-        return source
-    return source + min(tensor_bytes(shape, dtype), _CAST_WINDOW)
+    tensor of its own, then cast a window at a time) as ``dtype``: the bytes it is written from,
+    and when it is cast, the stored bytes its compressed byte planes are decompressed into."""
+    if stored is None:
+        return min(tensor_bytes(shape, dtype), _CAST_WINDOW)
+    written = _written_dtype(stored, dtype)
+    if written == stored:
+        return tensor_bytes(shape, written)
+    return _aligned(tensor_bytes(shape, written)) + tensor_bytes(shape, stored)
+
+
+def _written_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor stored as ``stored`` is exported in: ``dtype`` if both are floating."""
+    return dtype if stored.is_floating_point and dtype.is_floating_point else stored
 
 
 def _write_weight(
@@ -197,14 +210,22 @@ def _write_weight(
     dtype: torch.dtype,
     memory: torch.Tensor,
 ) -> None:
-    """Read ``weight`` (decoded straight into ``memory`` when ``stored`` says it can be: see
-    ``_need``), cast it to ``dtype`` if floating point, and write it to ``file``."""
-    if stored is None:  # a tensor of its own (a DCP step, a format-1 blob)
-        source = weights.read(weight)
-    else:
-        source = memory[: tensor_bytes(weight.shape, stored)].view(stored).view(weight.shape)
-        if not weights.read_into(weight, source):
+    """Read ``weight`` (decoded, and cast, straight into ``memory`` when ``stored`` says it can
+    be: see ``_need``), cast it to ``dtype`` if floating point, and write it to ``file``."""
+    if stored is not None:
+        # Cast as it is decoded, a chunk at a time while in cache (codec.decode_into): the
+        # stored (fp32) tensor is never put together whole, only what is written.
+        written = _written_dtype(stored, dtype)
+        size = tensor_bytes(weight.shape, written)
+        out = memory[:size].view(written).view(weight.shape)
+        # Cast, the decompressed planes go in reused memory too: fresh pages fault (see above).
+        # Not so when none is cast: that would take twice the scratch memory of a tensor.
+        staging = memory[_aligned(size) :] if written != stored else None
+        if not weights.read_into(weight, out, staging):
             raise CorruptError(f"{weight.name}: its stored fragments cannot be decoded in place")
+        file.write(weight.name, out)
+        return
+    source = weights.read(weight)  # a tensor of its own (a DCP step, a format-1 blob)
     if not source.is_floating_point() or source.dtype == dtype:
         file.write(weight.name, source)
         return

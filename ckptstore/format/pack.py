@@ -220,13 +220,17 @@ def decode_entry(
 
 
 def decode_entry_into(
-    data: bytes | memoryview, entry: Entry, out: torch.Tensor, content_hash: ContentHash = PLAIN
+    data: bytes | memoryview,
+    entry: Entry,
+    out: torch.Tensor,
+    content_hash: ContentHash = PLAIN,
+    staging: torch.Tensor | None = None,
 ) -> None:
-    """``decode_entry`` straight into ``out`` (see ``codec.decode_into``)."""
+    """``decode_entry`` straight into ``out``, through ``staging`` (see ``codec.decode_into``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    codec.decode_into(blob, entry.key, out, content_hash)
+    codec.decode_into(blob, entry.key, out, content_hash, staging)
 
 
 def decode(

@@ -296,9 +296,12 @@ class StepReader:
             return None
         return [(int(row[START]), int(row[NUMEL])) for row in found[1]]
 
-    def read_into(self, name: str, kind: str, start: int, out: torch.Tensor) -> bool:
+    def read_into(
+        self, name: str, kind: str, start: int, out: torch.Tensor, staging: torch.Tensor | None = None
+    ) -> bool:
         """Decode the stored fragment of ``kind`` of ``name`` that is exactly elements
-        ``[start, start + out.numel())`` straight into ``out`` (contiguous), verified; False
+        ``[start, start + out.numel())`` straight into ``out`` (contiguous; cast when of another
+        floating dtype), through ``staging`` (see ``codec.decode_into``), verified; False
         (nothing read) when no stored fragment is exactly that. Saves a copy of a rank's own share."""
         found = self._packed.get((name, kind))
         if found is None:
@@ -314,7 +317,7 @@ class StepReader:
             if data is None:
                 data = self._entry_bytes(ref.key, head, entry, (name, kind, start))
             with self._cpu:
-                pack.decode_entry_into(data, entry, out, self._objects.content_hash)
+                pack.decode_entry_into(data, entry, out, self._objects.content_hash, staging)
         return True
 
     def span(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
