@@ -113,11 +113,5 @@ class ContentHash:
     def __repr__(self) -> str:
         return f"ContentHash({self.name})"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ContentHash) and (self.name, self._content) == (other.name, other._content)
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
 
 PLAIN = ContentHash("xxh3-128")

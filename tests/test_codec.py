@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptstore.errors import CorruptError, UnsupportedError
-from ckptstore.format import codec
+from ckptstore.format import codec, planes
 
 DTYPES = [
     torch.float32,
@@ -321,7 +321,7 @@ def awkward_floats(n: int) -> torch.Tensor:
 def test_decode_into_another_floating_dtype_casts_as_tensor_to(monkeypatch, stored, target, min_ratio):
     # Past several of the chunks planes are joined and cast in, and not a whole number of them.
     monkeypatch.setenv("CKPTSTORE_MIN_COMPRESS_RATIO", min_ratio)
-    tensor = awkward_floats(2 * codec._CHUNK + 12_346).to(stored).reshape(-1, 2)
+    tensor = awkward_floats(2 * planes.CHUNK + 12_346).to(stored).reshape(-1, 2)
     key, blob = codec.encode(tensor)
     out = torch.empty(tensor.shape, dtype=target)
     codec.decode_into(blob, key, out)

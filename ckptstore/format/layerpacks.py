@@ -25,7 +25,7 @@ import zstandard
 
 from ..errors import CorruptError, clip
 from ..model import NUMEL, PACK, START, TENSOR, LayerPacks, PackRef
-from . import codec
+from . import zstd
 from .config import check_version
 
 MAGIC = b"CKLP"
@@ -100,9 +100,9 @@ def decode(
     try:
         length, tensors, n, m = _head(frame, numels)
         size = _LENGTH.size + length + 40 * n + 32 * m
-        if codec.frame_size(frame) != size:
+        if zstd.frame_size(frame) != size:
             raise CorruptError(f"its frame does not hold the {n} packs and {m} fragments its head declares")
-        body = codec.decompress_frame(frame, size)
+        body = zstd.decompress_frame(frame, size)
         position = _LENGTH.size + length
         keys = body[position : position + 16 * n]
         position += 16 * n
@@ -157,10 +157,10 @@ def numels(description: object) -> dict[str, int]:
 def _head(frame: bytes, numels: Mapping[str, int] | None) -> tuple[int, list[tuple[str, str, str]], int, int]:
     """``(len(head), tensors, packs, fragments)`` from the start of the frame, decompressing only
     the head, its counts checked against ``numels`` (see ``decode``)."""
-    (length,) = _LENGTH.unpack(codec.peek_frame(frame, _LENGTH.size).ljust(_LENGTH.size, b"\0"))
+    (length,) = _LENGTH.unpack(zstd.peek_frame(frame, _LENGTH.size).ljust(_LENGTH.size, b"\0"))
     if length > _MAX_HEAD:
         raise CorruptError(f"its head of {length} bytes is implausibly large")
-    head = json.loads(codec.peek_frame(frame, _LENGTH.size + length)[_LENGTH.size :])
+    head = json.loads(zstd.peek_frame(frame, _LENGTH.size + length)[_LENGTH.size :])
     tensors = [(str(n), str(k), str(d)) for n, k, d in head["tensors"]]
     n, m = head["packs"], head["fragments"]
     if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in (n, m)):

@@ -28,7 +28,7 @@ from .. import knobs
 from ..errors import CorruptError, clip
 from ..hashing import PLAIN, ContentHash
 from ..model import BlobRow, FileRow, StepRecord, TensorRow
-from . import codec, layerpacks, layout
+from . import layerpacks, layout, zstd
 from .config import check_version
 
 MANIFEST_VERSION = 2
@@ -154,10 +154,10 @@ def _unwrap(data: bytes) -> tuple[dict, bytes]:
     # only referrer of its size is its own stored length. Its JSON compresses tens of times,
     # its pack indexes (compressed already) hardly at all; a bomb compresses thousands of times.
     most = max(knobs.manifest_min_bound(), len(frame) * knobs.manifest_max_expansion())
-    declared = codec.frame_size(frame)
+    declared = zstd.frame_size(frame)
     if declared > most:
         raise CorruptError(f"malformed manifest: {len(frame)} bytes that declare {declared} uncompressed")
-    payload = codec.decompress_frame(frame, most)
+    payload = zstd.decompress_frame(frame, most)
     (length,) = _LENGTH.unpack_from(payload)
     body = json.loads(payload[_LENGTH.size : _LENGTH.size + length])
     if not isinstance(body, dict):
