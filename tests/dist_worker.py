@@ -46,7 +46,7 @@ def matches_store(engine, store, step) -> list[str]:
         if full is None and piece.kind == "weight":
             full = tensors(piece.name, "fp32").to(piece.tensor.dtype)  # derived module weight
         expected = full.reshape(-1)[piece.start : piece.start + piece.tensor.numel()]
-        if not expected.equal(piece.tensor.reshape(-1)):
+        if not expected.equal(piece.tensor.reshape(-1).cpu()):
             wrong.append(f"{piece.name} {piece.kind} {piece.start}")
     return wrong
 

@@ -264,18 +264,30 @@ def add_bench_model_options(parser, *, hidden: int, layers: int, vocab: int, rep
     parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--vocab", type=int, default=vocab)
     parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument(
+        "--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision"
+    )
 
 
 def build_bench_engine(args) -> Any:
-    """The benchmarks' engine: a Llama of the options' size, bf16, ZeRO-2."""
+    """The benchmarks' engine: a Llama of the options' size, ZeRO-2, bf16 unless ``args.dtype`` says.
+
+    On a GPU (``DS_ACCELERATOR`` other than cpu) the optimizer is torch's AdamW: FusedAdam's nvcc
+    build would take minutes of a lent machine, and the optimizer does not change what a
+    checkpoint holds (the same fp32 master weights and two moments per parameter).
+    """
+    overrides = {}
+    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        overrides["optimizer"] = {"params": {"torch_adam": True}}
     return build_engine(
         "llama",
         zero_stage=2,
-        dtype="bf16",
+        dtype=getattr(args, "dtype", "bf16"),
         seed=0,
         num_layers=args.layers,
         hidden=args.hidden,
         vocab=args.vocab,
+        **overrides,
     )
 
 

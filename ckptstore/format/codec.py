@@ -28,7 +28,7 @@ import zstandard
 from .. import knobs
 from ..errors import CorruptError, UnsupportedError, clip
 from ..hashing import PLAIN, ContentHash, Digest
-from . import planes, zstd
+from . import devicecopy, planes, zstd
 from .cast import cast_into
 from .config import check_version
 
@@ -73,10 +73,12 @@ def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 def tensor_key(tensor: torch.Tensor, raw: np.ndarray | None = None, content_hash: ContentHash = PLAIN) -> str:
     """The content key: 32 hex digits of ``content_hash`` (the store's) over dtype, shape and raw bytes."""
-    if raw is None:
-        raw = raw_bytes(tensor)
     digest = _key_digest(dtype_name(tensor.dtype), tuple(tensor.shape), content_hash)
-    digest.update(raw)
+    if raw is None and not devicecopy.on_host(tensor):
+        for chunk in devicecopy.host_chunks(tensor):
+            digest.update(chunk)
+    else:
+        digest.update(raw_bytes(tensor) if raw is None else raw)
     return digest.hexdigest()
 
 
@@ -120,20 +122,27 @@ def encode_parts(
     once more, holding the GIL.
     """
     dtype = dtype_name(tensor.dtype)
-    raw = raw_bytes(tensor)
-    key = tensor_key(tensor, raw, content_hash) if key is None else key
     shape = tuple(tensor.shape)
     itemsize = tensor.element_size()
-    payload, codec = [raw], RAW
-    if raw.size and itemsize > 1:
-        packed = planes.encode_planes(planes.split_planes(raw, itemsize))
-        if sum(len(part) for part in packed) < raw.size * knobs.min_compress_ratio():
+    size = tensor.numel() * itemsize
+    # A tensor on a GPU is split into planes there and never copied to the host whole.
+    device = not devicecopy.on_host(tensor)
+    raw = None if device and itemsize > 1 else raw_bytes(tensor)
+    key = tensor_key(tensor, raw, content_hash) if key is None else key
+    payload, codec, split = None, RAW, None
+    if size and itemsize > 1:
+        split = devicecopy.host_planes(tensor) if device else planes.split_planes(raw, itemsize)
+        packed = planes.encode_planes(split)
+        if sum(len(part) for part in packed) < size * knobs.min_compress_ratio():
             payload, codec = packed, ZSTD_PLANES
-    elif raw.size:
+    elif size:
         packed = zstd.compressor().compress(raw)
-        if len(packed) < raw.size * knobs.min_compress_ratio():
+        if len(packed) < size * knobs.min_compress_ratio():
             payload, codec = [packed], ZSTD
-    return key, [_header(codec, dtype, shape, raw.size), *payload]
+    if payload is None:
+        packed = split = None  # a GPU tensor's planes go before its bytes come to the host
+        payload = [raw_bytes(tensor) if raw is None else raw]
+    return key, [_header(codec, dtype, shape, size), *payload]
 
 
 def parse_header(blob: bytes | memoryview) -> BlobInfo:
