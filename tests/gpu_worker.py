@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.dist_worker import matches_store  # noqa: E402
-from tests.test_restore import optimizer_tensors  # noqa: E402
+from tests.test_restore import optimizer_tensors, own_memory  # noqa: E402
 from tools.engines import batches, build_engine, destroy_engine, setup_single_process_env, train  # noqa: E402
 
 # ZeRO 0 with torch's Adam is DeepSpeed's FP16_UnfusedOptimizer, which ckptstore does not read yet.
@@ -50,7 +50,10 @@ def check(root: Path, stage: int, dtype: str) -> dict:
     loaded = engine_for(stage, dtype, seed=1)
     loaded.load_checkpoint(str(store.materialize(3, root / f"out-{stage}-{dtype}")))
     restored = engine_for(stage, dtype, seed=2)
+    train(restored, DATA[5:])  # an engine that holds optimizer state, as after a rollback
+    before = own_memory(restored)
     store.restore(restored, 3)
+    in_place = own_memory(restored) == before
     theirs, ours = optimizer_tensors(loaded), optimizer_tensors(restored)
     state_equal = theirs.keys() == ours.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     losses = (train(restored, DATA[3:]), train(loaded, DATA[3:]))
@@ -60,6 +63,7 @@ def check(root: Path, stage: int, dtype: str) -> dict:
         "blocking_wrong": blocking_wrong,
         "background_wrong": background_wrong,
         "restored_state_equal": state_equal,
+        "restored_in_place": in_place,
         "losses": losses,
     }
 

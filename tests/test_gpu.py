@@ -42,5 +42,7 @@ def test_deepspeed_engines_on_a_gpu_commit_and_restore_bit_for_bit(tmp_path):
     for config, seen in json.loads(result.read_text()).items():
         assert seen["blocking_wrong"] == [] and seen["background_wrong"] == [], config
         assert seen["restored_state_equal"], config
+        # Decoded into the engine's own GPU tensors: no second copy of the state, on the GPU or the host.
+        assert seen["restored_in_place"], config
         restored, loaded = seen["losses"]
         assert restored == loaded, config

@@ -45,8 +45,11 @@ def own_memory(engine) -> list[int]:
         )
         if hasattr(optimizer, name)
     )
-    moments = [
-        t for p in partitions for t in optimizer.optimizer.state[p].values() if isinstance(t, torch.Tensor)
+    moments = [  # not torch Adam's 0-dim step count, which a load replaces
+        t
+        for p in partitions
+        for t in optimizer.optimizer.state[p].values()
+        if isinstance(t, torch.Tensor) and t.shape == p.shape
     ]
     weights = [] if engine.zero_optimization_stage() == 3 else list(engine.module.parameters())
     return [t.data_ptr() for t in [*weights, *partitions, *moments]]

@@ -225,6 +225,8 @@ class Filler:
         read_into = getattr(self._tensors, "read_into", None)
         if not isinstance(put, _CopyInto) or read_into is None or put.placeholder.dtype != dtype:
             return False
+        if put.placeholder.device.type != "cpu":  # decoded on the host, then copied (``put``)
+            return False
         out = put.placeholder[segment.target_start : segment.target_start + segment.length]
         return read_into(name, kind, segment.source_start, out)
 
@@ -276,12 +278,13 @@ def _zero_gaps(placeholder: torch.Tensor, segments: list[Segment]) -> None:
 
 
 def _sole_buffer(tensor: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
-    """Whether ``tensor`` is exactly ``numel`` x ``dtype``, contiguous on the CPU, alone in its storage."""
+    """Whether ``tensor`` is exactly ``numel`` x ``dtype``, contiguous, alone in its storage.
+    It may be on a GPU: segments are then copied into it from host memory, a parameter at a
+    time, rather than the whole state put together in host memory first for the load to copy."""
     return (
         tensor.dtype == dtype
         and tensor.numel() == numel
         and tensor.is_contiguous()
-        and tensor.device.type == "cpu"
         and tensor.storage_offset() == 0
         and tensor.untyped_storage().nbytes() == numel * dtype.itemsize
     )
