@@ -150,6 +150,12 @@ def sample_size() -> int:
     return _int("SAMPLE_SIZE", 256, 0)
 
 
+def map_bytes() -> int:
+    """A local object's byte range at least this long is mapped rather than read (0: none
+    is): the decoder then reads the page cache in place instead of a copy in fresh memory."""
+    return _int("MAP_BYTES", 1 << 20, 0)
+
+
 def max_file_bytes() -> int:
     """Largest auxiliary file a commit stores with a step (``commit(files=...)``)."""
     return _int("MAX_FILE_BYTES", 256 * 1024 * 1024, 0)

@@ -72,6 +72,14 @@ def test_a_long_range_is_read_in_place_and_outlives_the_file(objects):
     assert bytes(view) == data[start : start + (3 << 20)]
 
 
+def test_with_map_bytes_0_a_long_range_is_read_into_bytes(objects, monkeypatch):
+    monkeypatch.setenv("CKPTSTORE_MAP_BYTES", "0")
+    data = os.urandom(3 << 20)
+    objects.put_if_absent("packs/ef/big", data)
+    view = objects.get_range("packs/ef/big", 5, 2 << 20)
+    assert isinstance(view, bytes) and view == data[5 : 5 + (2 << 20)]
+
+
 def test_a_long_range_past_the_end_gives_what_there_is(objects):
     data = os.urandom(3 << 20)
     objects.put_if_absent("packs/cd/big", data)

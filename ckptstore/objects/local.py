@@ -20,11 +20,10 @@ from .. import knobs
 from ..errors import BadInputError, NotFoundError, StorageError, storage_error
 from . import Data, FileRange, ObjectInfo, ObjectStore, check_name
 
-# A range at least this long is mapped rather than read: the decoder then reads the page
-# cache in place instead of a copy of it in fresh memory (for a restore, ~a quarter of the
-# decode time). Objects are created whole by a rename and never changed in place, so a mapped
-# range stays valid, even after gc unlinks the file.
-_MAP_AT_LEAST = 1 << 20
+# A range of at least ``knobs.map_bytes()`` is mapped rather than read: the decoder then reads
+# the page cache in place instead of a copy of it in fresh memory (for a restore on two cores,
+# ~a quarter of the decode time). Objects are created whole by a rename and never changed in
+# place, so a mapped range stays valid, even after gc unlinks the file.
 
 
 def _mapped(fd: int, start: int, end: int) -> memoryview:
@@ -206,7 +205,7 @@ class LocalObjectStore(ObjectStore):
             raise self._error("read", name, exc) from None
         try:
             end = min(start + length, os.fstat(fd).st_size)
-            if end - start >= _MAP_AT_LEAST:
+            if 0 < knobs.map_bytes() <= end - start:
                 return _mapped(fd, start, end)
             chunks, done = [], 0
             while done < length:  # pread may return less than asked before the end
