@@ -20,8 +20,8 @@ from tests.dist_worker import matches_store  # noqa: E402
 from tests.test_restore import optimizer_tensors, own_memory  # noqa: E402
 from tools.engines import batches, build_engine, destroy_engine, setup_single_process_env, train  # noqa: E402
 
-# ZeRO 0 with torch's Adam is DeepSpeed's FP16_UnfusedOptimizer, which ckptstore does not read yet.
-CONFIGS = [(1, "fp32"), (1, "bf16"), (2, "bf16"), (2, "fp16"), (3, "bf16")]
+# ZeRO 0 in bf16 with torch's Adam is DeepSpeed's FP16_UnfusedOptimizer.
+CONFIGS = [(0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "bf16"), (2, "fp16"), (3, "bf16")]
 DATA = batches(6)
 # FusedAdam would be built by nvcc first (minutes); the state it keeps is the same.
 TORCH_ADAM = {"optimizer": {"params": {"torch_adam": True}}}
@@ -51,9 +51,9 @@ def check(root: Path, stage: int, dtype: str) -> dict:
     loaded.load_checkpoint(str(store.materialize(3, root / f"out-{stage}-{dtype}")))
     restored = engine_for(stage, dtype, seed=2)
     train(restored, DATA[5:])  # an engine that holds optimizer state, as after a rollback
-    before = own_memory(restored)
+    before = own_memory(restored) if stage else None  # ZeRO 0 keeps no partitions to fill
     store.restore(restored, 3)
-    in_place = own_memory(restored) == before
+    in_place = not stage or own_memory(restored) == before
     theirs, ours = optimizer_tensors(loaded), optimizer_tensors(restored)
     state_equal = theirs.keys() == ours.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     losses = (train(restored, DATA[3:]), train(loaded, DATA[3:]))

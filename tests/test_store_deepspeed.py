@@ -227,13 +227,14 @@ def build_variant(stage, dtype, seed, freeze=None, **overrides):
     [
         (1, "bf16", None, {"data_types": {"grad_accum_dtype": "fp32"}}),  # BF16_Optimizer
         (0, "fp32", None, {"optimizer": {"params": {"torch_adam": True}}}),  # torch AdamW, tensor steps
+        (0, "bf16", None, {"optimizer": {"params": {"torch_adam": True}}}),  # FP16_UnfusedOptimizer
         (2, "bf16", None, {"optimizer": {"params": {"torch_adam": True}}}),
         (1, "fp32", ["model.layers.0"], {}),
         (2, "bf16", ["model.layers.0"], {}),
         (3, "bf16", ["model.layers.0"], {}),
         (3, "fp32", None, {"zero_optimization": {"sub_group_size": 2000}}),  # several ZeRO-3 sub-groups
     ],
-    ids=["bf16-optimizer", "torch-adam-zero0", "torch-adam-zero2", "frozen-zero1", "frozen-zero2", "frozen-zero3",
+    ids=["bf16-optimizer", "torch-adam-zero0", "unfused-zero0-bf16", "torch-adam-zero2", "frozen-zero1", "frozen-zero2", "frozen-zero3",
          "zero3-subgroups"],
 )  # fmt: skip
 def test_engine_variants_resume_bit_exactly(tmp_path, stage, dtype, freeze, overrides):
@@ -247,6 +248,10 @@ def test_engine_variants_resume_bit_exactly(tmp_path, stage, dtype, freeze, over
     resumed.load_checkpoint(str(tmp_path / "out"))
     assert resumed.global_steps == 3
     assert train(resumed, DATA[3:]) == uninterrupted
+    restored = build_variant(stage, dtype, 43, freeze, **overrides)
+    store.restore(restored, 3)
+    assert restored.global_steps == 3
+    assert train(restored, DATA[3:]) == uninterrupted
 
 
 def _cpu_has_fp16() -> bool:

@@ -21,6 +21,7 @@ from .layout import (
     BASIC,
     BF16_OPTIMIZER,
     FP16_OPTIMIZER,
+    FP16_UNFUSED,
     ZERO3,
     ZERO12,
     flat_fragments,
@@ -37,7 +38,7 @@ _LAYOUT_MODEL_KEYS = {
 _LAYOUT_OPTIM_KEYS = {
     "base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings", "partition_count",
     "param_slice_mappings", "param_alignment_paddings", "optimizer_state_dict", "fp32_flat_groups",
-    "fp32_groups_flat",
+    "fp32_groups_flat", "fp32_groups",
 }  # fmt: skip
 
 
@@ -57,7 +58,7 @@ def optimizer_flavour(engine: Any) -> str:
     if optimizer is None:
         raise UnsupportedError("the engine has no optimizer; ckptstore commits training state")
     name = type(optimizer).__name__
-    if name in (ZERO12, BF16_OPTIMIZER, ZERO3, FP16_OPTIMIZER):
+    if name in (ZERO12, BF16_OPTIMIZER, ZERO3, FP16_OPTIMIZER, FP16_UNFUSED):
         return name
     if isinstance(optimizer, torch.optim.Optimizer) and engine.zero_optimization_stage() == 0:
         return BASIC
@@ -170,17 +171,22 @@ def _extract_zero3(engine: Any, osd: dict, param_shapes: list, rank: int, pieces
     return groups
 
 
-def _extract_basic(engine: Any, osd: dict, module: dict, pieces: list[Piece]) -> list[dict]:
-    names_by_index = [
-        engine.param_names[p] for group in engine.optimizer.param_groups for p in group["params"]
-    ]
+def _extract_basic(
+    engine: Any, osd: dict, params: list[list], masters: list[list[torch.Tensor]], pieces: list[Piece]
+) -> list[dict]:
+    """Groups of a torch optimizer's state dict ``osd`` over the module's ``params`` (per
+    group, in its order), whose fp32 values are ``masters``: the parameters themselves (fp32
+    ZeRO 0), or ``FP16_UnfusedOptimizer``'s fp32 copies of them."""
+    names_by_index = [engine.param_names[p] for group in params for p in group]
+    if not len(masters) == len(params) == len(osd["param_groups"]):
+        raise UnsupportedError("the optimizer's fp32 groups do not match its parameter groups")
     groups = []
-    for param_group in osd["param_groups"]:
+    for param_group, group_masters in zip(osd["param_groups"], masters, strict=True):
         names, param_state = [], {}
-        for index in param_group["params"]:
+        for index, master in zip(param_group["params"], group_masters, strict=True):
             name = names_by_index[index]
             names.append(name)
-            pieces.append(Piece(name, FP32, 0, module[name]))
+            pieces.append(Piece(name, FP32, 0, master))
             if index not in osd["state"]:
                 continue  # torch keeps no state for a param that never had a gradient
             tensors, scalars = _split_state(osd["state"][index])
@@ -240,7 +246,13 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     elif flavour == ZERO3:
         groups = _extract_zero3(engine, osd, model_state["param_shapes"], rank, pieces)
     elif flavour == BASIC:
-        groups = _extract_basic(engine, osd, module, pieces)
+        params = [group["params"] for group in engine.optimizer.param_groups]
+        masters = [[module[engine.param_names[p]] for p in group] for group in params]
+        groups = _extract_basic(engine, osd, params, masters, pieces)
+    elif flavour == FP16_UNFUSED:
+        groups = _extract_basic(
+            engine, osd["optimizer_state_dict"], engine.optimizer.fp16_groups, osd["fp32_groups"], pieces
+        )
     else:
         groups = _extract_fp16_optimizer(engine, osd, pieces)
     if not zero and rank != 0:

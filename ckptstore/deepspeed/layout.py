@@ -13,6 +13,9 @@ ZERO12 = "DeepSpeedZeroOptimizer"
 BF16_OPTIMIZER = "BF16_Optimizer"
 ZERO3 = "DeepSpeedZeroOptimizer_Stage3"
 FP16_OPTIMIZER = "FP16_Optimizer"
+# ZeRO 0 with fp16/bf16 and an optimizer DeepSpeed cannot fuse (a client's torch optimizer,
+# torch_adam): an fp32 master per parameter, not one flat group.
+FP16_UNFUSED = "FP16_UnfusedOptimizer"
 BASIC = "basic"  # ZeRO 0 with fp32: the torch optimizer itself
 
 # ZeRO 1/2 pad every flat group to a multiple of this times the world size

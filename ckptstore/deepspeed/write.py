@@ -27,6 +27,8 @@ from .fill import MODULE, Filler, Placeholders, Segment, TensorSource, stored_te
 from .layout import (
     BASIC,
     BF16_OPTIMIZER,
+    FP16_OPTIMIZER,
+    FP16_UNFUSED,
     ZERO3,
     ZERO12,
     flat_fragments,
@@ -56,6 +58,8 @@ class Writer:
         self.d = plainstate.from_plain(description)
         self._tensors = tensors
         self.flavour = self.d["flavour"]
+        if self.flavour not in (ZERO12, BF16_OPTIMIZER, ZERO3, FP16_OPTIMIZER, FP16_UNFUSED, BASIC):
+            raise CorruptError(f"the step's optimizer flavour {self.flavour!r} is unknown to this ckptstore")
         self.stage = self.d["zero_stage"]
         self.world_size = world_size
         self.params = self.d["params"]
@@ -310,6 +314,14 @@ class Writer:
             param_groups.append({**group["hyper"], "params": ids})
         return {"state": state, "param_groups": param_groups}
 
+    def fp16_unfused_optimizer(self) -> dict:
+        optimizer = dict(self.d["optimizer_state"])
+        optimizer["optimizer_state_dict"] = self.basic_optimizer()
+        optimizer["fp32_groups"] = [
+            [self.stored(name, FP32) for name in group["params"]] for group in self.d["groups"]
+        ]
+        return optimizer
+
     def fp16_optimizer(self) -> dict:
         state, param_groups, flats = {}, [], []
         for g, group in enumerate(self.d["groups"]):
@@ -348,7 +360,11 @@ class Writer:
             else:
                 files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, None), None))
         else:
-            optimizer = self.basic_optimizer() if self.flavour == BASIC else self.fp16_optimizer()
+            optimizer = {
+                BASIC: self.basic_optimizer,
+                FP16_UNFUSED: self.fp16_unfused_optimizer,
+                FP16_OPTIMIZER: self.fp16_optimizer,
+            }[self.flavour]()
             files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, optimizer), None))
         return files
 
