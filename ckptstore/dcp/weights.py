@@ -14,6 +14,7 @@ import torch
 
 from ..catalog import Catalog
 from ..errors import CorruptError
+from ..format.cast import cast
 from ..format.codec import DTYPES
 from ..model import WEIGHT, Weight
 from ..objects import ObjectStore
@@ -74,7 +75,7 @@ class DcpStepWeights:
             for dim, (offset, length) in enumerate(zip(offsets, where.sizes, strict=True)):
                 box = box.narrow(dim, offset, length)
             box.copy_(self._fetcher.fetch(where))
-        return full.to(dtype) if dtype is not None and full.is_floating_point() else full
+        return cast(full, dtype) if dtype is not None and full.is_floating_point() else full
 
 
 def state_dict(
