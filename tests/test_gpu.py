@@ -46,3 +46,32 @@ def test_deepspeed_engines_on_a_gpu_commit_and_restore_bit_for_bit(tmp_path):
         assert seen["restored_in_place"], config
         restored, loaded = seen["losses"]
         assert restored == loaded, config
+
+
+def _on_gpu(state):
+    if isinstance(state, torch.Tensor):
+        return state.cuda()
+    if isinstance(state, dict):
+        return {key: _on_gpu(value) for key, value in state.items()}
+    return state
+
+
+def test_a_dcp_state_dict_on_a_gpu_is_stored_as_its_host_copy_and_loads_back(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import ckptstore
+    from ckptstore.integrations.dcp import StoreReader, StoreWriter
+    from tests.test_dcp_store import assert_equal_states, emptied, training_state
+
+    host = training_state()
+    device = _on_gpu(host)
+    for where, state in (("gpu", device), ("host", host)):
+        with ckptstore.open(tmp_path / where) as store:
+            dcp.save(state, storage_writer=StoreWriter(store, step=1))
+    with ckptstore.open(tmp_path / "gpu") as store:
+        loaded = emptied(device)
+        dcp.load(loaded, storage_reader=StoreReader(store, step=1))
+    assert_equal_states(loaded, device)
+    packs = {where: sorted(p.name for p in (tmp_path / where).rglob("*") if "packs" in p.parts and p.is_file())
+             for where in ("gpu", "host")}  # fmt: skip
+    assert packs["gpu"] == packs["host"] and packs["gpu"]  # the same content keys, so the same packs

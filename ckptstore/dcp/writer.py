@@ -255,9 +255,9 @@ def _piece(item: WriteItem, named: ItemName, data: Any) -> Piece:
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
         return Piece(named.name, named.kind, 0, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    # A GPU tensor stays there: it is hashed and encoded a chunk at a time (format/devicecopy.py),
+    # never copied to the host whole, and never all of them at once.
     tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
     chunk = item.tensor_data.chunk
     return Piece(
         named.name, named.kind, chunks.chunk_start(chunk.offsets, item.tensor_data.size), tensor.contiguous()
