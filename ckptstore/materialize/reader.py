@@ -306,8 +306,10 @@ class StepReader:
         match = fragments[(fragments[:, START] == start) & (fragments[:, NUMEL] == numel)]
         return (dtype, index.packs[match[0][PACK]].key) if len(match) == 1 else None
 
-    def _entry(self, key: str, name: str, kind: str, start: int) -> tuple[pack.Entry, bytes | memoryview]:
-        head = self._indexes.get(key)
+    def _entry(
+        self, key: str, head: tuple, name: str, kind: str, start: int
+    ) -> tuple[pack.Entry, bytes | memoryview]:
+        """The entry of pack ``key`` (its ``head``) for the fragment from ``start``, and its bytes."""
         entry, data = entry_in_head(head, name, kind, start)
         return entry, self._entry_bytes(key, head, entry, (name, kind, start)) if data is None else data
 
@@ -320,8 +322,9 @@ class StepReader:
         if found is None:
             return False
         key = found[1]
+        head = self._indexes.get(key)  # names what fails itself
         with self._naming(f"pack {key} ({self._pack_where(key)})"):
-            entry, data = self._entry(key, name, kind, start)
+            entry, data = self._entry(key, head, name, kind, start)
             with self._cpu:
                 pack.decode_entry_into(data, entry, out, self._objects.content_hash)
         return True
@@ -340,8 +343,9 @@ class StepReader:
                                f"elements {start} to {start + numel}")  # fmt: skip
         stored, key = found
         raw_size = numel * codec.DTYPES[stored].itemsize  # what the layer index allows the entry
+        head = self._indexes.get(key)  # names what fails itself
         with self._naming(f"pack {key} ({self._pack_where(key)})"):
-            entry, data = self._entry(key, name, kind, start)
+            entry, data = self._entry(key, head, name, kind, start)
             with self._cpu:
                 for first, piece in pack.decode_entry_pieces(
                     data, entry, dtype, raw_size, self._objects.content_hash
