@@ -130,11 +130,13 @@ def write_files(
     dtype: torch.dtype,
     buffers: dict[str, torch.Tensor],
     bar,
+    threads: int,
 ) -> None:
     """Write safetensors ``files`` (path -> name -> (shape, dtype), the header's order) with the
     tensors of ``entries`` (name -> Weight) read from ``weights`` (``StepWeights`` or
-    ``DcpStepWeights``), floating point ones cast to ``dtype``, or taken from ``buffers``.
-    ``next(bar)`` as each is written. Raises what reading raises (NotFoundError, CorruptError)."""
+    ``DcpStepWeights``), floating point ones cast to ``dtype``, or taken from ``buffers``, on
+    ``threads`` threads. ``next(bar)`` as each is written. Raises what reading raises
+    (NotFoundError, CorruptError)."""
     stored = {
         name: weights.stored_dtype(weight) if isinstance(weights, StepWeights) else None
         for name, weight in entries.items()
@@ -166,7 +168,7 @@ def write_files(
         key=lambda task: -tensor_bytes(*files[task[0]][task[1]]),
     )
     try:
-        with planes.kept_memory(), ThreadPoolExecutor(knobs.io_threads()) as pool:
+        with planes.kept_memory(), ThreadPoolExecutor(threads) as pool:
             futures = [pool.submit(write, path, name) for path, name in tasks]
             try:
                 for future in as_completed(futures):
