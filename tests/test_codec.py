@@ -364,6 +364,15 @@ def test_decode_pieces_hands_out_the_tensor_in_order_in_reused_memory(monkeypatc
         next(codec.decode_pieces(blob, key, torch.int32, raw_size))
 
 
+def test_decode_pieces_keeps_its_memory_for_the_next_decode_only_while_asked_to():
+    key, blob = codec.encode(torch.randn(5000))
+    with planes.kept_memory():
+        first = [piece.data_ptr() for _, piece in codec.decode_pieces(blob, key, torch.bfloat16)]
+        again = [piece.data_ptr() for _, piece in codec.decode_pieces(blob, key, torch.bfloat16)]
+        assert first == again and planes._kits  # the same memory, not fresh pages
+    assert not planes._kits  # released with the block: nothing held once an export is over
+
+
 @pytest.mark.parametrize("held", [-1, +1])
 def test_decode_pieces_detects_a_byte_plane_of_another_size_without_a_declared_one(monkeypatch, held):
     monkeypatch.setattr(planes, "PIECE", 1000)
