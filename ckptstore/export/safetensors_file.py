@@ -34,7 +34,7 @@ DTYPE_CODES = {
 def _libc_fallocate():
     try:
         function = ctypes.CDLL(None, use_errno=True).fallocate
-    except (AttributeError, OSError):  # not Linux
+    except (AttributeError, OSError, TypeError):  # not Linux
         return None
     function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return function
