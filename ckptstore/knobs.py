@@ -232,7 +232,7 @@ def readahead_bytes() -> int:
 
 
 def export_buffer_bytes() -> int:
-    """Memory export keeps for the tensors it is decoding, casting and writing, reused from
-    one tensor to the next (a tensor that alone needs more gets it, one at a time). 0, the
-    default: room for the largest tensor and for a median one per ``cpu_threads``, at least 64 MiB."""
+    """Memory export keeps for casting tensors it reads whole (a DCP step's, a format-1 blob's;
+    those in packs are decoded a piece at a time), reused from one tensor to the next (a tensor
+    that alone needs more gets it, one at a time). 0, the default: a 4 MiB window per ``cpu_threads``."""
     return _int("EXPORT_BUFFER_BYTES", 0, 0)

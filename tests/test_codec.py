@@ -332,6 +332,62 @@ def test_decode_into_another_floating_dtype_casts_as_tensor_to(monkeypatch, stor
         codec.decode_into(blob, codec.tensor_key(wrong), out)
 
 
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("min_ratio", ["0", "0.97", "1000"])  # RAW, planes some compressed, all
+def test_decode_pieces_hands_out_the_tensor_in_order_in_reused_memory(monkeypatch, stored, target, min_ratio):
+    monkeypatch.setenv("CKPTSTORE_MIN_COMPRESS_RATIO", min_ratio)
+    monkeypatch.setattr(planes, "PIECE", planes.CHUNK + 1000)  # pieces across chunks, the last a part
+    tensor = awkward_floats(3 * planes.CHUNK + 12_346).to(stored).reshape(-1, 2)
+    key, blob = codec.encode(tensor)
+    raw_size = tensor.numel() * stored.itemsize
+    starts, pieces, memory = [], [], set()
+    with planes.kept_memory():
+        for start, piece in codec.decode_pieces(blob, key, target, raw_size):
+            starts.append(start)
+            pieces.append(piece.clone())
+            memory.add(piece.data_ptr())
+    assert torch.equal(torch.cat(pieces).view(torch.uint8), tensor.reshape(-1).to(target).view(torch.uint8))
+    streamed = codec.parse_header(blob).codec == codec.ZSTD_PLANES  # else decoded whole, one piece
+    if streamed:
+        assert starts == list(range(0, tensor.numel(), planes.PIECE)) and len(memory) == 1
+    wrong = tensor.clone()
+    wrong.view(-1)[-1] = 1.0  # in the last piece: checked once every piece is out
+    handed_out = 0
+    with pytest.raises(CorruptError, match="does not hash to its key"):
+        for _ in codec.decode_pieces(blob, codec.tensor_key(wrong), target, raw_size):
+            handed_out += 1
+    assert handed_out == (len(starts) if streamed else 0)
+    with pytest.raises(CorruptError, match="referrer records"):  # before any piece
+        next(codec.decode_pieces(blob, key, target, raw_size - stored.itemsize))
+    with pytest.raises(CorruptError, match="cannot be decoded as"):
+        next(codec.decode_pieces(blob, key, torch.int32, raw_size))
+
+
+def test_decode_pieces_keeps_its_memory_for_the_next_decode_only_while_asked_to():
+    key, blob = codec.encode(torch.randn(5000))
+    with planes.kept_memory():
+        first = [piece.data_ptr() for _, piece in codec.decode_pieces(blob, key, torch.bfloat16)]
+        again = [piece.data_ptr() for _, piece in codec.decode_pieces(blob, key, torch.bfloat16)]
+        assert first == again and planes._kits  # the same memory, not fresh pages
+    assert not planes._kits  # released with the block: nothing held once an export is over
+
+
+@pytest.mark.parametrize("held", [-1, +1])
+def test_decode_pieces_detects_a_byte_plane_of_another_size_without_a_declared_one(monkeypatch, held):
+    monkeypatch.setattr(planes, "PIECE", 1000)
+    tensor = torch.zeros(4096, dtype=torch.float32)
+    key, blob = codec.encode(tensor)
+    header = codec.parse_header(blob)
+    payload = bytes(blob[header.header_size :])
+    length = int.from_bytes(payload[1:9], "little")
+    assert payload[0]  # compressed: its frame declares 4096 bytes, this one nothing
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(4096 + held))
+    payload = b"\x01" + len(frame).to_bytes(8, "little") + frame + payload[9 + length :]
+    with pytest.raises(CorruptError, match="zstd frame holds"):
+        list(codec.decode_pieces(bytes(blob[: header.header_size]) + payload, key, torch.float32))
+
+
 def test_decode_into_casts_only_between_floating_dtypes():
     key, blob = codec.encode(torch.arange(10, dtype=torch.int32))
     with pytest.raises(CorruptError, match="does not fit"):
@@ -350,5 +406,8 @@ def test_a_byte_plane_with_more_after_its_frame_is_detected():
     assert compressed
     for extra in (b"\x00garbage", zstandard.ZstdCompressor().compress(b"more")):
         grown = payload[:1] + (length + len(extra)).to_bytes(8, "little") + payload[9 : 9 + length] + extra
+        tampered = bytes(blob[: header.header_size] + grown + payload[9 + length :])
         with pytest.raises(CorruptError):
-            codec.decode(bytes(blob[: header.header_size] + grown + payload[9 + length :]), key)
+            codec.decode(tampered, key)
+        with pytest.raises(CorruptError):
+            list(codec.decode_pieces(tampered, key, torch.float32))

@@ -110,16 +110,16 @@ def test_a_sharded_fp32_export_splits_at_the_limit_and_indexes_every_tensor(comm
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_an_export_within_a_tiny_memory_budget_casts_bit_for_bit_in_windows(
-    committed, tmp_path, monkeypatch, dtype
-):
+def test_an_export_in_small_pieces_casts_bit_for_bit(committed, tmp_path, monkeypatch, dtype):
     from safetensors.torch import load_file
 
     from ckptstore.export import writer
+    from ckptstore.format import planes
 
     _, store, reference = committed
-    monkeypatch.setenv("CKPTSTORE_EXPORT_BUFFER_BYTES", "1")  # one tensor at a time
-    monkeypatch.setattr(writer, "_CAST_WINDOW", 4096)  # tensors cast and written in many windows
+    monkeypatch.setattr(planes, "PIECE", 1000)  # tensors decoded, cast and written in many pieces
+    monkeypatch.setenv("CKPTSTORE_EXPORT_BUFFER_BYTES", "1")  # those read whole: one at a time,
+    monkeypatch.setattr(writer, "_CAST_WINDOW", 4096)  # in many windows
     report = store.export(2, tmp_path / "out", dtype=dtype, max_shard_size=8 * 1024)
     assert len(report.weight_files) > 2
     index = json.loads((report.path / "model.safetensors.index.json").read_text())

@@ -1,13 +1,17 @@
-"""The export writer's parts: the cast it does on its own threads and the memory it reuses."""
+"""The export writer's parts: the cast it does on its own threads, the memory it reuses, the files it writes."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import threading
 import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from ckptstore.export import safetensors_file
 from ckptstore.export.writer import Scratch
 from ckptstore.format.cast import cast, cast_into
 
@@ -81,3 +85,43 @@ def test_scratch_gives_a_tensor_larger_than_its_budget_an_arena_of_its_own():
         kept = big.data_ptr()
     with scratch.take(8) as small, scratch.take(900) as other:  # the larger arena, from now on
         assert len(small) == 8 and other.data_ptr() == kept + 64
+
+
+def refusing(code: int):
+    """A stand-in for libc's fallocate that fails with ``code``."""
+
+    def fallocate(fd, mode, offset, length):
+        ctypes.set_errno(code)
+        return -1
+
+    return fallocate
+
+
+@pytest.mark.parametrize("fallocate", ["the kernel's", "unsupported", "absent"])
+def test_a_safetensors_file_is_sized_up_front_and_written_in_parts_in_any_order(
+    tmp_path, monkeypatch, fallocate
+):
+    if fallocate == "unsupported":  # glibc's posix_fallocate would write zeros over the file instead
+        monkeypatch.setattr(safetensors_file, "_fallocate", refusing(errno.EOPNOTSUPP))
+    elif fallocate == "absent":
+        monkeypatch.setattr(safetensors_file, "_fallocate", None)
+    tensors = {"a": awkward_floats(2000)[-15:].reshape(3, 5), "b": torch.arange(7, dtype=torch.int64)}
+    path = tmp_path / "model.safetensors"
+    file = safetensors_file.SafetensorsFile(
+        path, {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, {"format": "pt"}
+    )
+    assert path.stat().st_size == file.size
+    file.write("b", tensors["b"])
+    file.write_part("a", 8, tensors["a"].reshape(-1)[8:])
+    file.write_part("a", 0, tensors["a"].reshape(-1)[:8])
+    file.close()
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[n].view(torch.uint8), t.view(torch.uint8)) for n, t in tensors.items())
+
+
+def test_a_safetensors_file_that_finds_no_room_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_file, "_fallocate", refusing(errno.ENOSPC))
+    with pytest.raises(OSError) as caught:
+        safetensors_file.SafetensorsFile(tmp_path / "x", {"a": ((4,), torch.float32)}, {})
+    assert caught.value.errno == errno.ENOSPC

@@ -137,6 +137,7 @@ def answers_or_refuses(parse: Callable[[], object]) -> None:
 @given(either(None, a_blob()), st.sampled_from([None, 96]))
 def test_blob(data, raw_size):
     answers_or_refuses(lambda: codec.decode(data, None, raw_size))
+    answers_or_refuses(lambda: list(codec.decode_pieces(data, None, torch.bfloat16, raw_size)))
 
 
 @FUZZ

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from .. import auxfiles
+from .. import auxfiles, knobs
 from ..catalog import Catalog
 from ..dcp import dcp_description
 from ..dcp.weights import DcpStepWeights
@@ -110,7 +110,13 @@ def export(
             staging / filename: {n: layout[n] for n in names}
             for filename, names in split.filename_to_tensors.items()
         }
-        write_files(shards, {"format": "pt"}, by_name, weights, dtype, buffers, bar)
+        # Reads from a local store are mapped: CPU work, like decoding. More threads than the
+        # decoding slots and one fetching ahead would only wait for a slot and switch (the bench
+        # model's bf16 export: 0.21 s of CPU with 8 threads, 0.18 s with 3).
+        threads = knobs.io_threads()
+        if objects.reads_are_local:
+            threads = min(threads, knobs.cpu_threads() + 1)
+        write_files(shards, {"format": "pt"}, by_name, weights, dtype, buffers, bar, threads)
         if split.is_sharded:
             params = sum(math.prod(w.shape) for w in weights.entries if w.kind != BUFFER)
             index = {

@@ -9,6 +9,8 @@ The library reads the result (the tests load every file with ``safetensors.safe_
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import math
 import os
@@ -27,6 +29,33 @@ DTYPE_CODES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }  # fmt: skip
+
+
+def _libc_fallocate():
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError, TypeError):  # not Linux
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return function
+
+
+_fallocate = _libc_fallocate()
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Make the empty file ``fd`` ``size`` bytes long, its disk blocks allocated up front
+    (fallocate) where the file system can: ext4 then skips its delayed allocation at every
+    page written, a third of the writes' CPU (162 MB in 1 MB pwrites: 20 ms instead of 30 on
+    the bench box). Elsewhere the file is only sized, never filled with zeros as glibc's
+    ``posix_fallocate`` does where the file system cannot. OSError as a write would raise it."""
+    if _fallocate is not None and size:
+        if _fallocate(fd, 0, 0, size) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, os.strerror(code))
+    os.ftruncate(fd, size)
 
 
 def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -64,8 +93,12 @@ class SafetensorsFile:
         self.size = self._base + position
         self._writing = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(self._fd, self.size)
-        pwrite_all(self._fd, memoryview(struct.pack("<Q", len(text)) + text), 0)
+        try:
+            _reserve(self._fd, self.size)
+            pwrite_all(self._fd, memoryview(struct.pack("<Q", len(text)) + text), 0)
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write ``tensor``'s bytes at ``name``'s place; its shape and dtype must be the header's."""

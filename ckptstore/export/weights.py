@@ -9,6 +9,7 @@ optimizer state, so a weights-only step exports like a full one.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,41 +86,35 @@ class StepWeights:
         return tensor
 
     def stored_dtype(self, weight: Weight) -> torch.dtype | None:
-        """The dtype ``weight`` is stored in when ``read_into`` can decode it (it is stored in
+        """The dtype ``weight`` is stored in when ``read_pieces`` can decode it (it is stored in
         packs), else None (``read`` it)."""
         if self._reader.pieces(weight.name, weight.kind) is None:
             return None
         return self._reader.dtype(weight.name, weight.kind)
 
-    def read_into(self, weight: Weight, out: torch.Tensor, staging: torch.Tensor | None = None) -> bool:
-        """Decode ``weight`` straight into ``out`` (contiguous, its shape, its stored dtype or,
-        cast as ``Tensor.to`` casts, another floating one), its fragments one after the other
-        through ``staging`` (see ``codec.decode_into``), verified; False (nothing read)
-        unless it is stored in packs. Raises NotFoundError /
-        CorruptError as ``read`` does, CorruptError also when its fragments do not tile ``out``."""
+    def read_pieces(self, weight: Weight, dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+        """``weight`` a piece at a time, as ``(first element, 1-D tensor)`` of ``dtype`` (its
+        stored dtype or, cast as ``Tensor.to`` casts, another floating one) in memory reused
+        for the next piece (see ``codec.decode_pieces``): only for a weight stored in packs
+        (``stored_dtype`` is not None). Every fragment is verified once its last piece is out:
+        nothing is to be trusted until the iteration ends. Raises NotFoundError / CorruptError
+        as ``read`` does, CorruptError also when its fragments do not tile it."""
         pieces = self._reader.pieces(weight.name, weight.kind)
         if pieces is None:
-            return False
+            raise CorruptError(f"step {self.step}: {weight.name} {weight.kind} is not stored in packs")
         covered = 0
         for start, numel in sorted(pieces):
             if start != covered:
                 raise CorruptError(f"step {self.step}: fragments of {weight.name} {weight.kind} "
                                    f"do not tile it (gap or overlap at element {covered})")  # fmt: skip
             covered += numel
-        if covered != out.numel():
+        if covered != math.prod(weight.shape):
             raise CorruptError(
                 f"step {self.step}: fragments of {weight.name} {weight.kind} hold {covered} elements, "
-                f"its shape {tuple(out.shape)}"
+                f"its shape {weight.shape}"
             )
-        flat = out.view(-1)
         for start, numel in pieces:
-            if not self._reader.read_into(
-                weight.name, weight.kind, start, flat[start : start + numel], staging
-            ):
-                raise CorruptError(
-                    f"step {self.step}: {weight.name} {weight.kind} has two fragments at {start}"
-                )
-        return True
+            yield from self._reader.read_pieces(weight.name, weight.kind, start, numel, dtype)
 
     def read_all(self, entries: list[Weight], dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
         """``read`` of each of ``entries``, in order, several read ahead on I/O threads."""

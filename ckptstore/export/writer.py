@@ -2,18 +2,19 @@
 
 Several tensors are in flight, largest first across every file, so that one's decoding (zstd
 and the hash release the GIL) overlaps another's cast and ``pwrite``. A tensor stored in packs
-is decoded and cast straight into ``Scratch`` memory (``codec.decode_into``), then written;
-one read whole is cast a 4 MiB window at a time into more of it, each window written at its
-offset. That memory is kept and reused from one tensor to the next because fresh pages cost
-a page fault each: about 1 GB/s on the 2-core bench box, 0.3 s for an 81M model decoded to
-fp32, as much as the decoding itself.
+is decoded, cast and written a piece at a time (``codec.decode_pieces``: half a million
+elements, its byte planes decompressed side by side), so a decoding thread holds a piece,
+never a tensor; one read whole is cast a 4 MiB window at a time into ``Scratch`` memory, each
+window written at its offset. Both memories are kept and reused from one tensor to the next
+because fresh pages cost a page fault each: ~0.4 ms a MB on the 2-core bench box. Decoding
+whole tensors into reused memory touched ~76 MB (19k page faults) in an 81M model's bf16
+export, for the largest tensor's planes and output; in pieces, a few MB.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import statistics
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -22,14 +23,13 @@ from pathlib import Path
 import torch
 
 from .. import knobs
-from ..errors import CorruptError
+from ..format import planes
 from ..format.cast import cast_into
 from ..model import BUFFER, Weight
 from .safetensors_file import SafetensorsFile, tensor_bytes
 from .weights import StepWeights
 
-# Memory export keeps at the least (see knobs.export_buffer_bytes), and the window a cast is done in.
-_MIN_BUDGET = 64 << 20
+# The window a tensor read whole is cast in.
 _CAST_WINDOW = 4 << 20
 
 
@@ -130,27 +130,36 @@ def write_files(
     dtype: torch.dtype,
     buffers: dict[str, torch.Tensor],
     bar,
+    threads: int,
 ) -> None:
     """Write safetensors ``files`` (path -> name -> (shape, dtype), the header's order) with the
     tensors of ``entries`` (name -> Weight) read from ``weights`` (``StepWeights`` or
-    ``DcpStepWeights``), floating point ones cast to ``dtype``, or taken from ``buffers``.
-    ``next(bar)`` as each is written. Raises what reading raises (NotFoundError, CorruptError)."""
+    ``DcpStepWeights``), floating point ones cast to ``dtype``, or taken from ``buffers``, on
+    ``threads`` threads. ``next(bar)`` as each is written. Raises what reading raises
+    (NotFoundError, CorruptError)."""
     stored = {
         name: weights.stored_dtype(weight) if isinstance(weights, StepWeights) else None
         for name, weight in entries.items()
         if weight.kind != BUFFER
     }
-    needs = {name: _need(entries[name].shape, stored[name], dtype) for name in stored}
-    scratch = Scratch(knobs.export_buffer_bytes() or _default_budget(list(needs.values())))
+    # Only tensors read whole (not from packs) are cast through scratch memory, a window each.
+    needs = [
+        min(tensor_bytes(entries[name].shape, dtype), _CAST_WINDOW) for name in stored if stored[name] is None
+    ]
+    scratch = Scratch(knobs.export_buffer_bytes() or max(needs, default=1) * knobs.cpu_threads())
     opened = _Files(files, metadata)
 
     def write(path: Path, name: str) -> None:
         weight, file = entries[name], opened.get(path)
         if weight.kind == BUFFER:
             file.write(name, buffers[name])
+        elif stored[name] is not None:
+            for start, piece in weights.read_pieces(weight, _written_dtype(stored[name], dtype)):
+                file.write_part(name, start, piece)
         else:
-            with scratch.take(needs[name]) as memory:
-                _write_weight(file, weight, weights, stored[name], dtype, memory)
+            window = min(tensor_bytes(weight.shape, dtype), _CAST_WINDOW)
+            with scratch.take(window) as memory:
+                _write_whole(file, weight, weights, dtype, memory)
         opened.done(path)
 
     # Largest first, so no big tensor starts last while the other threads sit idle.
@@ -159,7 +168,7 @@ def write_files(
         key=lambda task: -tensor_bytes(*files[task[0]][task[1]]),
     )
     try:
-        with ThreadPoolExecutor(knobs.io_threads()) as pool:
+        with planes.kept_memory(), ThreadPoolExecutor(threads) as pool:
             futures = [pool.submit(write, path, name) for path, name in tasks]
             try:
                 for future in as_completed(futures):
@@ -173,59 +182,17 @@ def write_files(
         opened.close()
 
 
-def _default_budget(needs: list[int]) -> int:
-    """Room for the largest tensor and, beside it, for a median one on each other decoding
-    thread (the largest goes first: alone, it would leave the other cores idle); at least
-    ``_MIN_BUDGET``. More would be memory touched for the first time (page faults), not speed."""
-    if not needs:
-        return _MIN_BUDGET
-    beside = (knobs.cpu_threads() - 1) * _aligned(int(statistics.median(needs)))
-    return max(
-        _MIN_BUDGET, _aligned(max(needs)) + beside, knobs.cpu_threads() * int(statistics.median(needs))
-    )
-
-
-def _need(shape: tuple[int, ...], stored: torch.dtype | None, dtype: torch.dtype) -> int:
-    """Scratch bytes to export a tensor of ``shape`` stored as ``stored`` (None: read into a
-    tensor of its own, then cast a window at a time) as ``dtype``: the bytes it is written from,
-    and when it is cast, the stored bytes its compressed byte planes are decompressed into."""
-    if stored is None:
-        return min(tensor_bytes(shape, dtype), _CAST_WINDOW)
-    written = _written_dtype(stored, dtype)
-    if written == stored:
-        return tensor_bytes(shape, written)
-    return _aligned(tensor_bytes(shape, written)) + tensor_bytes(shape, stored)
-
-
 def _written_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor stored as ``stored`` is exported in: ``dtype`` if both are floating."""
     return dtype if stored.is_floating_point and dtype.is_floating_point else stored
 
 
-def _write_weight(
-    file: SafetensorsFile,
-    weight: Weight,
-    weights,
-    stored: torch.dtype | None,
-    dtype: torch.dtype,
-    memory: torch.Tensor,
+def _write_whole(
+    file: SafetensorsFile, weight: Weight, weights, dtype: torch.dtype, memory: torch.Tensor
 ) -> None:
-    """Read ``weight`` (decoded, and cast, straight into ``memory`` when ``stored`` says it can
-    be: see ``_need``), cast it to ``dtype`` if floating point, and write it to ``file``."""
-    if stored is not None:
-        # Cast as it is decoded, a chunk at a time while in cache (codec.decode_into): the
-        # stored (fp32) tensor is never put together whole, only what is written.
-        written = _written_dtype(stored, dtype)
-        size = tensor_bytes(weight.shape, written)
-        out = memory[:size].view(written).view(weight.shape)
-        # Cast, the decompressed planes go in reused memory too: fresh pages fault (see above).
-        # Not so when none is cast: that would take twice the scratch memory of a tensor.
-        staging = memory[_aligned(size) :] if written != stored else None
-        if not weights.read_into(weight, out, staging):
-            raise CorruptError(f"{weight.name}: its stored fragments cannot be decoded in place")
-        file.write(weight.name, out)
-        return
-    source = weights.read(weight)  # a tensor of its own (a DCP step, a format-1 blob)
+    """Read ``weight`` whole (a DCP step's, a format-1 blob's), cast it to ``dtype`` if floating
+    point a window of ``memory`` at a time, and write it to ``file``."""
+    source = weights.read(weight)
     if not source.is_floating_point() or source.dtype == dtype:
         file.write(weight.name, source)
         return

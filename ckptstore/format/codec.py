@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ from .. import knobs
 from ..errors import CorruptError, UnsupportedError, clip
 from ..hashing import PLAIN, ContentHash, Digest
 from . import devicecopy, planes, zstd
-from .cast import cast_into
+from .cast import cast, cast_into
 from .config import check_version
 
 MAGIC = b"CKPB"
@@ -216,15 +217,12 @@ def decode_into(
     key: str | None,
     out: torch.Tensor,
     content_hash: ContentHash = PLAIN,
-    staging: torch.Tensor | None = None,
 ) -> None:
     """Decode blob bytes straight into ``out`` (contiguous, of the blob's element count, any
     shape) and, when ``key`` is given, verify them against it by ``content_hash`` (the
     store's): ``decode`` without allocating.
     ``out`` has the blob's dtype or, for a floating blob, another floating dtype: the tensor is
     then cast as ``Tensor.to`` casts (bit for bit), and the key checked over its stored bytes.
-    ``staging``: uint8 memory of at least the blob's uncompressed size for its compressed byte
-    planes, which a caller decoding many blobs reuses (fresh memory faults); None: new memory.
 
     Raises CorruptError as ``decode`` does, and if ``out`` does not fit the blob.
     """
@@ -240,13 +238,10 @@ def decode_into(
     digest = None if key is None else _key_digest(info.dtype, info.shape, content_hash)
     try:
         if info.codec == ZSTD_PLANES:
-            if staging is not None and staging.numel() < info.raw_size:
-                raise ValueError(f"staging of {staging.numel()} bytes for a blob of {info.raw_size}")
-            held = None if staging is None else staging.view(-1).numpy()
-            stored = planes.read_planes(payload, dtype.itemsize, count, held)
-            if out.dtype == dtype and held is None and dtype.itemsize > 2:
-                # Into new memory, not reused: one plane at a time (a float32 export's page
-                # faults were 150 MB so, 220 MB holding all four).
+            stored = planes.read_planes(payload, dtype.itemsize, count)
+            if out.dtype == dtype and dtype.itemsize > 2:
+                # One plane at a time into ``out`` (a float32 export's page faults were 150 MB
+                # so, 220 MB holding all four).
                 target = out.reshape(-1).view(torch.uint8).numpy()
                 planes.store_planes(stored, target.reshape(count, dtype.itemsize))
                 if digest is not None:
@@ -268,6 +263,42 @@ def decode_into(
                 out.reshape(-1).view(torch.uint8).numpy()[:] = raw
             else:  # rare (these codecs hold 1-byte, incompressible or old tensors): a copy to cast from
                 cast_into(torch.from_numpy(raw.copy()).view(dtype), out)
+    except (zstandard.ZstdError, struct.error) as exc:
+        raise CorruptError(f"blob payload does not decode: {exc}") from None
+    if digest is not None and digest.hexdigest() != key:
+        raise CorruptError(f"blob content does not hash to its key {key}")
+
+
+def decode_pieces(
+    blob: bytes | memoryview,
+    key: str | None,
+    dtype: torch.dtype,
+    raw_size: int | None = None,
+    content_hash: ContentHash = PLAIN,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The blob's elements as ``(first element, 1-D tensor)`` pieces in element order, of
+    ``dtype``: the blob's or, for a floating blob, another floating dtype (cast as ``Tensor.to``
+    casts, bit for bit); when ``key`` is given, its content verified against it by
+    ``content_hash`` (the store's) once the last piece is out. ``raw_size``: as for ``decode``,
+    checked before the first piece.
+
+    A piece is memory reused for the next (``planes.decode_pieces``, ZSTD_PLANES blobs): a
+    caller writing a tensor out holds a piece of it in memory, never all of it. Other codecs
+    are decoded whole first. Raises CorruptError as ``decode_into`` does, perhaps after some
+    pieces: nothing handed out is to be trusted until the iteration has ended.
+    """
+    info = parse_header(blob)
+    check_raw_size(info, raw_size)
+    stored = DTYPES[info.dtype]
+    count = info.raw_size // stored.itemsize
+    if dtype != stored and not (dtype.is_floating_point and stored.is_floating_point):
+        raise CorruptError(f"blob of {info.dtype} cannot be decoded as {dtype}")
+    if info.codec != ZSTD_PLANES:
+        yield 0, cast(decode(blob, key, raw_size, content_hash).reshape(-1), dtype)
+        return
+    digest = None if key is None else _key_digest(info.dtype, info.shape, content_hash)
+    try:
+        yield from planes.decode_pieces(memoryview(blob)[info.header_size :], stored, count, dtype, digest)
     except (zstandard.ZstdError, struct.error) as exc:
         raise CorruptError(f"blob payload does not decode: {exc}") from None
     if digest is not None and digest.hexdigest() != key:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -224,13 +225,26 @@ def decode_entry_into(
     entry: Entry,
     out: torch.Tensor,
     content_hash: ContentHash = PLAIN,
-    staging: torch.Tensor | None = None,
 ) -> None:
-    """``decode_entry`` straight into ``out``, through ``staging`` (see ``codec.decode_into``)."""
+    """``decode_entry`` straight into ``out`` (see ``codec.decode_into``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    codec.decode_into(blob, entry.key, out, content_hash, staging)
+    codec.decode_into(blob, entry.key, out, content_hash)
+
+
+def decode_entry_pieces(
+    data: bytes | memoryview,
+    entry: Entry,
+    dtype: torch.dtype,
+    raw_size: int | None = None,
+    content_hash: ContentHash = PLAIN,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``decode_entry`` a piece at a time, cast to ``dtype`` (see ``codec.decode_pieces``)."""
+    blob = memoryview(data)[: entry.length]
+    if len(blob) != entry.length:
+        raise CorruptError(f"pack entry {_named(entry)} is truncated")
+    return codec.decode_pieces(blob, entry.key, dtype, raw_size, content_hash)
 
 
 def decode(

@@ -52,27 +52,6 @@ def unzstd(frame: memoryview, size: int, what: str) -> bytes:
     return decompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
 
 
-def unzstd_into(frame: memoryview, out: np.ndarray) -> None:
-    """``unzstd`` of a byte plane into ``out`` (uint8, as many bytes as the plane holds).
-
-    A ``stream_reader`` decompresses into given memory, releasing the GIL as ``decompress``
-    does, so that a caller can reuse memory: the fresh bytes ``decompress`` returns cost a page
-    fault per 4 KiB, most of a bf16 export's system time on the 2-core bench box. It reads on
-    past the frame: bytes there fail unless they are another frame, whose content shows as
-    more bytes than ``out`` holds (an empty frame passes; the content is the same, and hashed).
-    """
-    size = out.size
-    declared = zstandard.frame_content_size(frame)
-    if declared not in (-1, size):
-        raise CorruptError(f"a byte plane's zstd frame declares {declared} bytes, expected {size}")
-    view, done = memoryview(out), 0
-    with decompressor().stream_reader(frame) as reader:
-        while done < size and (got := reader.readinto(view[done:])):
-            done += got
-        if done != size or reader.read(1):
-            raise CorruptError(f"a byte plane's zstd frame holds other than the {size} bytes expected")
-
-
 def decompress_frame(data: bytes, max_size: int) -> bytes:
     """The content of ``data``, which must be exactly one whole zstd frame (its checksum checked
     when it has one) of at most ``max_size`` declared bytes; CorruptError otherwise."""
@@ -109,3 +88,47 @@ def peek_frame(data: bytes, size: int) -> bytes:
             return reader.read(size)
     except zstandard.ZstdError as exc:
         raise CorruptError(f"a compressed frame is damaged ({exc})") from None
+
+
+class FrameReader:
+    """Exactly one zstd frame of ``size`` bytes, decompressed a part at a time into given memory
+    (``read_into``), then ``finish``-ed: CorruptError if it held other than ``size`` bytes.
+
+    Its ``decompressor`` serves this one frame until ``finish``; one per frame read at a time
+    (a byte plane's reader runs beside its tensor's other planes). Parts are decompressed
+    through zstd's window (the frame's, 512 KiB at level 1), so a plane of any size costs that
+    much memory, kept by the decompressor for its next frame, never the plane's size.
+    """
+
+    def __init__(self, frame: memoryview, size: int, decompressor: zstandard.ZstdDecompressor) -> None:
+        declared = zstandard.frame_content_size(frame)
+        if declared not in (-1, size):
+            raise CorruptError(f"a byte plane's zstd frame declares {declared} bytes, expected {size}")
+        self._size, self._done = size, 0
+        self._reader = decompressor.stream_reader(frame)
+
+    def read_into(self, out: np.ndarray) -> None:
+        """The frame's next ``out.size`` bytes into ``out`` (uint8, contiguous); CorruptError if
+        the frame ends first. zstd runs without the GIL (a ``decompressobj`` holds it)."""
+        view, done = memoryview(out).cast("B"), 0
+        while done < len(view) and (got := self._reader.readinto(view[done:])):
+            done += got
+        self._done += done
+        if done != len(view):
+            raise CorruptError(f"a byte plane's zstd frame holds {self._done} bytes, expected {self._size}")
+
+    def finish(self) -> None:
+        """Check that the frame held exactly its ``size`` bytes, and ``close``. What follows the
+        frame fails to decompress unless it is another frame, whose content is then one byte
+        too many (an empty one passes: the content is the same, and hashed)."""
+        try:
+            if self._done != self._size or self._reader.read(1):
+                raise CorruptError(
+                    f"a byte plane's zstd frame holds other than the {self._size} bytes expected"
+                )
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let the decompressor go (unread bytes are left unchecked)."""
+        self._reader.close()

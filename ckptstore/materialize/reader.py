@@ -296,29 +296,61 @@ class StepReader:
             return None
         return [(int(row[START]), int(row[NUMEL])) for row in found[1]]
 
-    def read_into(
-        self, name: str, kind: str, start: int, out: torch.Tensor, staging: torch.Tensor | None = None
-    ) -> bool:
-        """Decode the stored fragment of ``kind`` of ``name`` that is exactly elements
-        ``[start, start + out.numel())`` straight into ``out`` (contiguous; cast when of another
-        floating dtype), through ``staging`` (see ``codec.decode_into``), verified; False
-        (nothing read) when no stored fragment is exactly that. Saves a copy of a rank's own share."""
+    def _exact(self, name: str, kind: str, start: int, numel: int) -> tuple[str, str] | None:
+        """(stored dtype name, pack key) of the one stored fragment of ``kind`` of ``name`` that is
+        exactly elements ``[start, start + numel)``, or None."""
         found = self._packed.get((name, kind))
         if found is None:
+            return None
+        dtype, fragments, index = found
+        match = fragments[(fragments[:, START] == start) & (fragments[:, NUMEL] == numel)]
+        return (dtype, index.packs[match[0][PACK]].key) if len(match) == 1 else None
+
+    def _entry(
+        self, key: str, head: tuple, name: str, kind: str, start: int
+    ) -> tuple[pack.Entry, bytes | memoryview]:
+        """The entry of pack ``key`` (its ``head``) for the fragment from ``start``, and its bytes."""
+        entry, data = entry_in_head(head, name, kind, start)
+        return entry, self._entry_bytes(key, head, entry, (name, kind, start)) if data is None else data
+
+    def read_into(self, name: str, kind: str, start: int, out: torch.Tensor) -> bool:
+        """Decode the stored fragment of ``kind`` of ``name`` that is exactly elements
+        ``[start, start + out.numel())`` straight into ``out`` (contiguous; cast when of another
+        floating dtype, see ``codec.decode_into``), verified; False
+        (nothing read) when no stored fragment is exactly that. Saves a copy of a rank's own share."""
+        found = self._exact(name, kind, start, out.numel())
+        if found is None:
             return False
-        _, fragments, index = found
-        match = fragments[(fragments[:, START] == start) & (fragments[:, NUMEL] == out.numel())]
-        if len(match) != 1:
-            return False
-        ref = index.packs[match[0][PACK]]
-        head = self._indexes.get(ref.key)
-        with self._naming(f"pack {ref.key} ({self._pack_where(ref.key)})"):
-            entry, data = entry_in_head(head, name, kind, start)
-            if data is None:
-                data = self._entry_bytes(ref.key, head, entry, (name, kind, start))
+        key = found[1]
+        head = self._indexes.get(key)  # names what fails itself
+        with self._naming(f"pack {key} ({self._pack_where(key)})"):
+            entry, data = self._entry(key, head, name, kind, start)
             with self._cpu:
-                pack.decode_entry_into(data, entry, out, self._objects.content_hash, staging)
+                pack.decode_entry_into(data, entry, out, self._objects.content_hash)
         return True
+
+    def read_pieces(
+        self, name: str, kind: str, start: int, numel: int, dtype: torch.dtype
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Decode the stored fragment of ``kind`` of ``name`` that is exactly elements ``[start,
+        start + numel)`` a piece at a time, as ``(first element in the tensor, 1-D tensor)`` of
+        ``dtype`` (cast when another floating dtype), in memory reused for the next piece
+        (``codec.decode_pieces``), verified once the last is out; CorruptError when no one
+        stored fragment is exactly that. A decoding slot is held while the pieces are taken."""
+        found = self._exact(name, kind, start, numel)
+        if found is None:
+            raise CorruptError(f"step {self.step}: {name} {kind} has no one stored fragment of "
+                               f"elements {start} to {start + numel}")  # fmt: skip
+        stored, key = found
+        raw_size = numel * codec.DTYPES[stored].itemsize  # what the layer index allows the entry
+        head = self._indexes.get(key)  # names what fails itself
+        with self._naming(f"pack {key} ({self._pack_where(key)})"):
+            entry, data = self._entry(key, head, name, kind, start)
+            with self._cpu:
+                for first, piece in pack.decode_entry_pieces(
+                    data, entry, dtype, raw_size, self._objects.content_hash
+                ):
+                    yield start + first, piece
 
     def span(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
         """Elements ``[lo, hi)`` of the flattened ``kind`` of ``name``, reading only the stored
