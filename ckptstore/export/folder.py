@@ -112,10 +112,11 @@ def export(
         }
         # Reads from a local store are mapped: CPU work, like decoding. More threads than the
         # decoding slots and one fetching ahead would only wait for a slot and switch (the bench
-        # model's bf16 export: 0.21 s of CPU with 8 threads, 0.18 s with 3).
+        # model's bf16 export: 0.21 s of CPU with 8 threads, 0.18 s with 3), and more than a
+        # few only wait for the GIL (knobs.export_threads).
         threads = knobs.io_threads()
         if objects.reads_are_local:
-            threads = min(threads, knobs.cpu_threads() + 1)
+            threads = min(threads, knobs.cpu_threads() + 1, knobs.export_threads())
         write_files(shards, {"format": "pt"}, by_name, weights, dtype, buffers, bar, threads)
         if split.is_sharded:
             params = sum(math.prod(w.shape) for w in weights.entries if w.kind != BUFFER)
