@@ -5,7 +5,7 @@ threads, and drops them once written, so memory holds a few parameters, never th
 A layer stored in packs (format 2) is read entry by entry: each pack's index is fetched once
 (its first bytes) and kept until the last of its entries is read. A reader that reads every
 entry it was built for (``readahead``: materialize, export, state_dict) from a store across a
-network fetches, at the first entry of a pack it needs, every entry of that pack it will read,
+network fetches (``readahead.ReadAhead``), at the first entry of a pack it needs, every entry of that pack it will read,
 neighbours in one ranged read (``coalesce``), so a pack costs two requests however many
 tensors it holds; the bytes wait, each entry's apart, until read, within
 ``CKPTSTORE_READAHEAD_BYTES`` (past it, entries are read one by one). Otherwise (a local store,
@@ -31,10 +31,10 @@ import torch
 from .. import knobs
 from ..errors import CorruptError, NotFoundError, UnsupportedError
 from ..format import codec, pack
-from ..format.layout import pack_name
 from ..model import FP32, NUMEL, PACK, START, TENSOR, BlobRow, LayerPacks, PackRef, TensorRow
 from ..objects import ObjectStore
-from .fetch import SharedFetches, coalesce, entry_in_head, fetch_blob, fetch_pack_head
+from .fetch import SharedFetches, entry_in_head, fetch_blob, fetch_pack_head
+from .readahead import ReadAhead
 
 T = TypeVar("T")
 
@@ -85,12 +85,8 @@ class StepReader:
         # (name, kind) -> (dtype, fragment rows, the layer's index) of format-2 layers
         self._packed: dict[tuple[str, str], tuple[str, np.ndarray, LayerPacks]] = {}
         pack_uses: Counter[str] = Counter()
-        # readahead: pack -> the entries this reader will read from it; what was fetched ahead
-        self._wanted: dict[str, set[tuple[str, str, int]]] = defaultdict(set)
-        self._ahead: dict[tuple[str, str, str, int], bytes] = {}
-        self._ahead_bytes = 0
-        self._ahead_lock = threading.Lock()
-        self._pack_locks: dict[str, threading.Lock] = {}
+        # readahead: the entries this reader will read from each pack, fetched together
+        self._ahead = ReadAhead(objects)
         self._pack_layer: dict[str, LayerPacks] = {}
         self._refs: dict[str, PackRef] = {}
         for index in packs:
@@ -131,9 +127,7 @@ class StepReader:
 
     def _want(self, index: LayerPacks, row: np.ndarray, name: str, kind: str) -> None:
         """Read ahead the fragment ``row`` (of ``kind`` of ``name``) of ``index``."""
-        key = index.packs[int(row[PACK])].key
-        self._wanted[key].add((name, kind, int(row[START])))
-        self._pack_locks.setdefault(key, threading.Lock())
+        self._ahead.want(index.packs[int(row[PACK])].key, (name, kind, int(row[START])))
 
     def _pack_where(self, key: str) -> str:
         index = self._pack_layer[key]
@@ -187,7 +181,7 @@ class StepReader:
                         tensor = pack.decode_entry(in_head, entry, raw_size, self._objects.content_hash)
                 else:
                     tensor = self._read(
-                        partial(self._entry_bytes, ref.key, head, entry, (name, kind, int(row[START]))),
+                        partial(self._ahead.entry_bytes, ref.key, head, entry, (name, kind, int(row[START]))),
                         partial(
                             pack.decode_entry,
                             entry=entry,
@@ -199,56 +193,6 @@ class StepReader:
                     raise CorruptError(f"its {name} {kind} has {tensor.numel()} elements, not {row[NUMEL]}")
             out.append((int(row[START]), tensor))
         return out
-
-    def _entry_bytes(self, key: str, head: tuple, entry: pack.Entry, which: tuple[str, str, int]) -> bytes:
-        """The stored bytes of ``entry`` (``which`` = name, kind, start) of pack ``key``: fetched
-        ahead with the pack's other wanted entries (readahead), or by a ranged read of its own."""
-        if key in self._pack_locks:
-            # Another thread's read-ahead of this pack may be under way: its entries are there after.
-            with self._pack_locks[key]:
-                wanted = self._wanted.pop(key, None)
-                if wanted is not None:
-                    self._read_ahead(key, head, wanted)
-        with self._ahead_lock:
-            data = self._ahead.pop((key, *which), None)
-            if data is not None:
-                self._ahead_bytes -= len(data)
-                return data
-        return self._objects.get_range(pack_name(key), entry.offset, entry.length)
-
-    def _read_ahead(self, key: str, head: tuple, wanted: set[tuple[str, str, int]]) -> None:
-        """Fetch every entry of pack ``key`` in ``wanted`` that its head does not hold, in
-        coalesced ranged reads, and keep each entry's bytes until read; nothing when they would
-        take the kept bytes past ``CKPTSTORE_READAHEAD_BYTES`` (then each is read alone)."""
-        index, first_bytes = head
-        entries = {
-            (e.offset, e.length): (which, e) for which in wanted if (e := index.get(which)) is not None
-        }
-        missing = sorted(
-            (e for _, e in entries.values() if e.offset + e.length > len(first_bytes)), key=lambda e: e.offset
-        )
-        total = sum(e.length for e in missing)
-        with self._ahead_lock:
-            if not missing or self._ahead_bytes + total > knobs.readahead_bytes():
-                return
-            self._ahead_bytes += total  # reserved before the reads, so threads keep within it
-        which_of = {(e.offset, e.length): which for which, e in entries.values()}
-        fetched = {}
-        try:
-            for start, end, members in coalesce(missing):
-                body = memoryview(self._objects.get_range(pack_name(key), start, end - start))
-                for e in members:
-                    # A copy each, so that the span is freed as its entries are read.
-                    fetched[(key, *which_of[(e.offset, e.length)])] = bytes(
-                        body[e.offset - start : e.offset - start + e.length]
-                    )
-        except BaseException:
-            with self._ahead_lock:
-                self._ahead_bytes -= total
-            raise
-        with self._ahead_lock:
-            self._ahead.update(fetched)
-            self._ahead_bytes -= total - sum(len(data) for data in fetched.values())
 
     def _fetch(self, key: str) -> torch.Tensor:
         row = self._where[key]
@@ -311,7 +255,7 @@ class StepReader:
     ) -> tuple[pack.Entry, bytes | memoryview]:
         """The entry of pack ``key`` (its ``head``) for the fragment from ``start``, and its bytes."""
         entry, data = entry_in_head(head, name, kind, start)
-        return entry, self._entry_bytes(key, head, entry, (name, kind, start)) if data is None else data
+        return entry, self._ahead.entry_bytes(key, head, entry, (name, kind, start)) if data is None else data
 
     def read_into(self, name: str, kind: str, start: int, out: torch.Tensor) -> bool:
         """Decode the stored fragment of ``kind`` of ``name`` that is exactly elements
