@@ -23,6 +23,7 @@ from ..errors import CorruptError
 from ..format import plainstate
 from ..format.codec import DTYPES
 from ..model import BUFFER, FP32, WEIGHT
+from . import zero0
 from .fill import MODULE, Filler, Placeholders, Segment, TensorSource, stored_tensor
 from .layout import (
     BASIC,
@@ -301,39 +302,6 @@ class Writer:
             files.append(osd)
         return files
 
-    def basic_optimizer(self) -> dict:
-        state, param_groups, index = {}, [], 0
-        for group in self.d["groups"]:
-            ids = []
-            for name in group["params"]:
-                ids.append(index)
-                if name in group["param_state"]:
-                    entry = group["param_state"][name]
-                    state[index] = {**entry["scalars"], **{k: self.stored(name, k) for k in entry["kinds"]}}
-                index += 1
-            param_groups.append({**group["hyper"], "params": ids})
-        return {"state": state, "param_groups": param_groups}
-
-    def fp16_unfused_optimizer(self) -> dict:
-        optimizer = dict(self.d["optimizer_state"])
-        optimizer["optimizer_state_dict"] = self.basic_optimizer()
-        optimizer["fp32_groups"] = [
-            [self.stored(name, FP32) for name in group["params"]] for group in self.d["groups"]
-        ]
-        return optimizer
-
-    def fp16_optimizer(self) -> dict:
-        state, param_groups, flats = {}, [], []
-        for g, group in enumerate(self.d["groups"]):
-            names = group["params"]
-            flats.append(self.flat(names, FP32))
-            state[g] = {**group["scalars"], **{k: self.flat(names, k) for k in group["state_kinds"]}}
-            param_groups.append({**group["hyper"], "params": [g]})
-        optimizer = dict(self.d["optimizer_state"])
-        optimizer["optimizer_state_dict"] = {"state": state, "param_groups": param_groups}
-        optimizer["fp32_groups_flat"] = flats
-        return optimizer
-
     # -- files -----------------------------------------------------------------------------
 
     def files(self) -> list[tuple[str, object, int | None]]:
@@ -360,11 +328,7 @@ class Writer:
             else:
                 files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, None), None))
         else:
-            optimizer = {
-                BASIC: self.basic_optimizer,
-                FP16_UNFUSED: self.fp16_unfused_optimizer,
-                FP16_OPTIMIZER: self.fp16_optimizer,
-            }[self.flavour]()
+            optimizer = zero0.optimizer_state(self.flavour, self.d, self.stored, self.flat)
             files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, optimizer), None))
         return files
 
