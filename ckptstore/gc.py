@@ -179,8 +179,11 @@ def collect(
     ``drop_steps`` drops those steps in addition to what retention drops. ``now`` replaces
     the clock (tests). Raises BadInputError if every step would go without ``allow_empty``,
     CorruptError if a kept step already misses a blob or a step's manifest cannot be read
-    (nothing is changed then).
+    (nothing is changed then), StorageError (before any work) when the catalog is a read-only
+    copy and ``dry_run`` is false.
     """
+    if not dry_run:
+        catalog.require_writable("gc")
     rules = [KeepBest.parse(rule) for rule in keep_best]
     for name, value in (
         ("--keep-weights-every", keep_weights_every),
@@ -245,6 +248,16 @@ def collect(
         _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")
         catalog.forget_blobs(doomed.gone_keys)
         return report
+
+
+def delete_step(objects: ObjectStore, catalog: Catalog, step: int, *, dry_run: bool) -> GcReport:
+    """Drop ``step``'s record (``Store.delete``); its blobs go at a later gc unless other steps
+    need them. NotFoundError (naming the known steps) for an unknown step, StorageError when
+    the catalog is a read-only copy and ``dry_run`` is false."""
+    if not dry_run:
+        catalog.require_writable("delete")
+    catalog.description(step)
+    return collect(objects, catalog, drop_steps=[step], grace=float("inf"), dry_run=dry_run, allow_empty=True)
 
 
 def _sweep_temporary(objects: ObjectStore, cutoff: float, report: GcReport) -> None:

@@ -6,7 +6,6 @@ queries go to the ``catalog``. ``ckptstore.open`` (``opening``) builds a Store f
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
@@ -15,21 +14,17 @@ from typing import Any
 
 import torch
 
-from . import auxfiles, strategies
-from .arguments import check_layers, check_step, while_open
+from . import auxfiles, frontdoors, strategies
+from .arguments import check_step, while_open
 from .catalog import Catalog
-from .commit.background import CommitHandle, CommitQueue
-from .commit.step import CommitReport, commit_step, submit_commit
-from .dcp import dcp_description
-from .dcp.directory import materialize_dcp
-from .dcp.weights import state_dict as dcp_state_dict
-from .errors import BadInputError, require_int
+from .commit.background import CommitHandle
+from .commit.engine import EngineCommits
+from .commit.step import CommitReport
+from .errors import BadInputError
 from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
 from .export.folder import export as export_folder
-from .export.weights import parse_dtype, state_dict
-from .gc import GcReport, KeepBest, collect, grace_seconds
+from .gc import GcReport, KeepBest, collect, delete_step, grace_seconds
 from .materialize import compose, outputs
-from .materialize.directory import materialize
 from .model import FileRow, LayerRow, StepRow
 from .objects import ObjectStore
 from .restore import restore as restore_engine
@@ -48,7 +43,7 @@ class Store(TierVerbs):
         self.catalog = catalog
         #: The local tier in front of the store (``open(local=...)``), or None.
         self.tier = tier
-        self._queue: CommitQueue | None = None
+        self._commits = EngineCommits(objects, catalog, tier)
         self._closed = False
 
     def close(self) -> None:
@@ -57,8 +52,7 @@ class Store(TierVerbs):
             return
         self._closed = True
         try:
-            if self._queue is not None:
-                self._queue.close()
+            self._commits.close()
         finally:
             try:
                 if self.tier is not None:
@@ -157,27 +151,13 @@ class Store(TierVerbs):
         StorageError from recording the catalog's rows after the manifest leaves the step
         committed (the next open lists it). Every method of a closed store raises BadInputError.
         """
-        from .deepspeed.extract import check_is_engine, extract
-
-        step = check_step(step)
-        check_is_engine(engine)
-        layers = check_layers(layers)
-        options = dict(layers=layers, files=files, metrics=metrics)
-        take_snapshot = functools.partial(extract, engine, client_state)
-        if self.tier is not None:
-            self.tier.wait_for_room()
-        if blocking:
-            self.wait()
-            report = commit_step(self.objects, self.catalog, step, take_snapshot, **options)
-            if self.tier is not None:
-                self.tier.committed()
-            return report
-        self._queue = self._queue or CommitQueue()
-        return submit_commit(self._queue, self.objects, self.catalog, step, engine, take_snapshot, **options)
+        return self._commits.commit(
+            engine, step, layers, client_state, files, metrics=metrics, blocking=blocking
+        )
 
     def wait(self) -> CommitReport | None:
         """Wait for a background commit in flight; returns its report, raises its error."""
-        return self._queue.wait() if self._queue is not None else None
+        return self._commits.wait()
 
     # -- reading back ----------------------------------------------------------------------
 
@@ -216,16 +196,9 @@ class Store(TierVerbs):
         checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
         which loads at any world size: ``world_size`` and ``tag`` do not apply to it.
         """
-        description = None if spec is not None else dcp_description(self.catalog, check_step(step))
-        with outputs.writing(out, "materialize"):
-            if description is not None:
-                return materialize_dcp(
-                    self.objects, self.catalog, check_step(step), description, out,
-                    force=force, world_size=world_size, tag=tag,
-                )  # fmt: skip
-            return materialize(
-                self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
-            )
+        return frontdoors.materialize(
+            self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
+        )
 
     @while_open
     def export(
@@ -280,10 +253,7 @@ class Store(TierVerbs):
         (``integrations.dcp.StoreWriter``): the full tensors of the state dict's ``model``
         entry under its own keys (of a flat state dict, its parameters). Raises as ``export``.
         """
-        description = None if spec is not None else dcp_description(self.catalog, check_step(step))
-        if description is not None:
-            return dcp_state_dict(self.objects, self.catalog, step, description, parse_dtype(dtype))
-        return state_dict(self.objects, self.catalog, step, dtype, spec)
+        return frontdoors.state_dict(self.objects, self.catalog, step, dtype, spec)
 
     @while_open
     def restore(
@@ -313,14 +283,10 @@ class Store(TierVerbs):
         WeightsOnlyError, CorruptError, BadInputError (a bad spec, an engine of another ZeRO
         stage or optimizer).
         """
-        require_int(engine.dp_world_size, "the engine's data-parallel size", minimum=1)
-        options = dict(
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-        )
-        step = None if step is None else check_step(step)
-        return restore_engine(self.objects, self.catalog, engine, step, spec=spec, options=options)
+        return restore_engine(
+            self.objects, self.catalog, engine, step, spec=spec, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        )  # fmt: skip
 
     @while_open
     def verify(self, *, deep: bool = True) -> VerifyReport:
@@ -370,8 +336,6 @@ class Store(TierVerbs):
         mount); ``dry_run`` still works there.
         """
         self._refuse_tier("gc")
-        if not dry_run:
-            self.catalog.require_writable("gc")
         return collect(
             self.objects, self.catalog, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
             keep_best=keep_best, keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
@@ -386,15 +350,4 @@ class Store(TierVerbs):
         StorageError when the catalog cannot be written (full disk, read-only mount).
         """
         self._refuse_tier("delete")
-        if not dry_run:
-            self.catalog.require_writable("delete")
-        step = check_step(step)
-        self.catalog.description(step)  # NotFoundError names the known steps
-        return collect(
-            self.objects,
-            self.catalog,
-            drop_steps=[step],
-            grace=float("inf"),
-            dry_run=dry_run,
-            allow_empty=True,
-        )
+        return delete_step(self.objects, self.catalog, check_step(step), dry_run=dry_run)

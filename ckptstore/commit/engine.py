@@ -1,0 +1,79 @@
+"""A store's commits of DeepSpeed engines: blocking ones, and at most one behind training.
+
+``Store.commit`` hands every call here: the engine and arguments are checked before any work,
+then the step is committed at once (``step.commit_step``) or queued (``step.submit_commit``)
+on the one background worker this store keeps. A local tier, when there is one, is asked for
+room before a commit and told of every blocking commit that landed in it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from .. import auxfiles, strategies
+from ..arguments import check_layers, check_step
+from ..catalog import Catalog
+from ..objects import ObjectStore
+from .background import CommitHandle, CommitQueue
+from .step import CommitReport, commit_step, submit_commit
+
+
+class TierCommits(Protocol):
+    """What a commit asks of the local tier in front of the store (``tier.Tier``)."""
+
+    def wait_for_room(self) -> None: ...
+
+    def committed(self) -> None: ...
+
+
+class EngineCommits:
+    """The commits of one store: ``commit`` as ``Store.commit`` documents it, ``wait`` for the
+    one in flight, ``close`` to flush it and stop the background worker."""
+
+    def __init__(self, objects: ObjectStore, catalog: Catalog, tier: TierCommits | None = None) -> None:
+        self.objects = objects
+        self.catalog = catalog
+        self.tier = tier
+        self._queue: CommitQueue | None = None  # made on the first non-blocking commit
+
+    def commit(
+        self,
+        engine: Any,
+        step: Any,
+        layers: strategies.Selection,
+        client_state: dict | None,
+        files: auxfiles.FileSpec | None,
+        *,
+        metrics: Mapping[str, float] | None,
+        blocking: bool,
+    ) -> CommitReport | CommitHandle:
+        """Commit ``engine``'s state as ``step`` (``Store.commit``'s contract)."""
+        from ..deepspeed.extract import check_is_engine, extract
+
+        step = check_step(step)
+        check_is_engine(engine)
+        options = dict(layers=check_layers(layers), files=files, metrics=metrics)
+        take_snapshot = functools.partial(extract, engine, client_state)
+        if self.tier is not None:
+            self.tier.wait_for_room()
+        if not blocking:
+            self._queue = self._queue or CommitQueue()
+            return submit_commit(
+                self._queue, self.objects, self.catalog, step, engine, take_snapshot, **options
+            )
+        self.wait()
+        report = commit_step(self.objects, self.catalog, step, take_snapshot, **options)
+        if self.tier is not None:
+            self.tier.committed()
+        return report
+
+    def wait(self) -> CommitReport | None:
+        """Wait for the commit in flight, if any; returns its report, raises its error."""
+        return self._queue.wait() if self._queue is not None else None
+
+    def close(self) -> None:
+        """Flush the commit in flight (raising its error) and stop the background worker."""
+        if self._queue is not None:
+            self._queue.close()

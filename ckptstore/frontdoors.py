@@ -1,0 +1,64 @@
+"""The read verbs of a step, routed to the front door that wrote it.
+
+A step committed from a DeepSpeed engine materializes as a DeepSpeed checkpoint directory and
+reads back through ``export.weights``; a step saved through DCP (``integrations.dcp``) becomes a
+DCP directory and reads back through ``dcp.weights``. ``Store`` asks here, so neither it nor the
+verbs below need to know which door a step came in by.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .arguments import check_step
+from .catalog import Catalog
+from .dcp import dcp_description
+from .dcp.directory import materialize_dcp
+from .dcp.weights import state_dict as dcp_state_dict
+from .export.weights import parse_dtype
+from .export.weights import state_dict as engine_state_dict
+from .materialize import compose, outputs
+from .materialize.directory import materialize as materialize_engine_step
+from .objects import ObjectStore
+
+
+def materialize(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: Any,
+    out: str | os.PathLike | None,
+    *,
+    spec: compose.Spec | None,
+    world_size: int | None,
+    force: bool,
+    tag: str | None,
+) -> Path:
+    """``Store.materialize``: the directory of ``step`` (or of a compose ``spec``) at ``out``,
+    in the layout of the door that wrote the step; raises as ``Store.materialize`` says."""
+    description = None if spec is not None else dcp_description(catalog, check_step(step))
+    with outputs.writing(out, "materialize"):
+        if description is not None:
+            return materialize_dcp(
+                objects, catalog, step, description, out, force=force, world_size=world_size, tag=tag
+            )
+        return materialize_engine_step(
+            objects, catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
+        )
+
+
+def state_dict(
+    objects: ObjectStore,
+    catalog: Catalog,
+    step: Any,
+    dtype: str | torch.dtype | None,
+    spec: compose.Spec | None,
+) -> dict[str, torch.Tensor]:
+    """``Store.state_dict``: the full weights of ``step`` (or of a compose ``spec``) by name."""
+    description = None if spec is not None else dcp_description(catalog, check_step(step))
+    if description is not None:
+        return dcp_state_dict(objects, catalog, step, description, parse_dtype(dtype))
+    return engine_state_dict(objects, catalog, step, dtype, spec)
