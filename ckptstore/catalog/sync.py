@@ -201,6 +201,9 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
     is unreadable). Raises UnsupportedError if a manifest was written by a newer ckptstore."""
     report = SyncReport()
     listed = {s: catalog.listed_generation(s) for s in steps}
+    # A commit through a local tier reads no manifest the tier lacks: those stay listed.
+    listed = {s: g for s, g in listed.items() if objects.at_hand(layout.manifest_name(s, g))}
+    steps = list(listed)
     for batch in _fetch_all(objects, listed, report, lazy=True):
         with catalog.write_transaction():  # one commit (and sync to disk) a batch, not a step
             report.imported += [record.step for record, g in batch if import_record(catalog, record, g)]
