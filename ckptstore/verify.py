@@ -3,16 +3,22 @@ every pack, blob and auxiliary file a committed step references exist, intact?
 
 Read-only: problems are reported, never repaired. What no step references (orphan blobs,
 stray objects under a known prefix) is information.
+
+A gc (or a commit) may run beside it: a problem seen on the way is checked again at the end
+(``_recheck``) against a fresh listing of the manifests, and reported only if it still holds
+for a step that still exists. A step a gc dropped meanwhile, or a pack it swept with it, is
+no problem; neither is a manifest the catalog could not import because it was just deleted.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import auxfiles, knobs
-from .catalog import Catalog
+from .catalog import Catalog, sync
 from .catalog.sync import read_authentic_manifest
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .format import layout
@@ -75,6 +81,8 @@ class VerifyReport:
     # unfinished writes (``.tmp``): in flight, or left by killed writers (gc removes old ones)
     temporary: int = 0
     temporary_bytes: int = 0
+    # problems seen on the way that were gone when checked again at the end (a gc ran beside)
+    passed_on_recheck: int = 0
 
     @property
     def ok(self) -> bool:
@@ -105,29 +113,37 @@ class VerifyReport:
             "stray_objects": self.stray_objects,
             "temporary": self.temporary,
             "temporary_bytes": self.temporary_bytes,
+            "passed_on_recheck": self.passed_on_recheck,
         }  # fmt: skip
 
 
-def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> VerifyReport:
+def verify(
+    objects: ObjectStore,
+    catalog: Catalog,
+    *,
+    deep: bool = True,
+    between: Callable[[str], None] | None = None,
+) -> VerifyReport:
     """Check every pack, blob and auxiliary file the committed steps reference, and the catalog.
 
     Contract as ``Store.verify``. Listing each namespace once, it checks that every referenced
     pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes each.
+    What it finds is checked again at the end (``_recheck``), so a gc running beside it makes
+    no problem. ``between(phase)`` is called between its phases ("listed": the manifests
+    listed; "manifest": one manifest read, before it is compared with the catalog; "indexed":
+    the objects listed and the catalog's references taken, before they are checked;
+    "checked"): tests run a gc there.
     """
+    pause = between or (lambda phase: None)
     report = VerifyReport(deep=deep)
     manifests = layout.list_manifests(objects)
-    _verify_manifests(objects, catalog, manifests, report)
+    pause("listed")
+    by_step = _verify_manifests(objects, catalog, manifests, report, pause)
     users = catalog.referenced_blobs()
     recorded = catalog.blob_sizes(users)
     sizes = {key: size.size for key, size in recorded.items()}
-    report.catalog_problems.extend(catalog.consistency_problems())
-    report.catalog_problems.extend(
-        f"blob {blob} is referenced but has no size record" for blob in users if blob not in sizes
-    )
-    report.catalog_problems.extend(
-        f"step {step} has no manifest in the store (a catalog rebuild would lose it)"
-        for step in manifests.missing(catalog.steps())
-    )
+    index_problems = _index_problems(catalog, manifests, users, sizes)
+    report.catalog_problems.extend(index_problems)
     blobs = layout.list_blobs(objects)
     packs = layout.list_packs(objects)
     pack_users = catalog.referenced_packs(report.catalog_problems)
@@ -136,8 +152,9 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     sizes.update((key, ref.size) for key, (ref, _) in pack_users.items())
     users.update((key, found) for key, (_, found) in pack_users.items())
     cpu = threading.BoundedSemaphore(knobs.cpu_threads())
+    pause("indexed")
 
-    def check(key: str) -> tuple[str, str | None, int]:
+    def check(key: str, stored: dict[str, int] = stored) -> tuple[str, str | None, int]:
         if key not in stored:
             return key, "is missing", 0
         if key in sizes and stored[key] != sizes[key]:
@@ -169,7 +186,106 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     _verify_files(objects, catalog, files, report)
     report.stray_objects = sorted(manifests.stray + blobs.stray + packs.stray + files.stray)
     _count_temporary(objects, report)
+    pause("checked")
+    if by_step or index_problems or report.problems or report.file_problems:
+        _recheck(objects, catalog, manifests, report, by_step, index_problems, check)
     return report
+
+
+def _index_problems(
+    catalog: Catalog, manifests: layout.ManifestListing, users: dict, sizes: dict[str, int]
+) -> list[str]:
+    """What is wrong with the catalog's rows themselves, given the manifests listed."""
+    problems = catalog.consistency_problems()
+    problems += [f"blob {blob} is referenced but has no size record" for blob in users if blob not in sizes]
+    problems += [
+        f"step {step} has no manifest in the store (a catalog rebuild would lose it)"
+        for step in manifests.missing(catalog.steps())
+    ]
+    return problems
+
+
+def _recheck(
+    objects: ObjectStore,
+    catalog: Catalog,
+    listed: layout.ManifestListing,
+    report: VerifyReport,
+    by_step: dict[int, list[str]],
+    index_problems: list[str],
+    check: Callable[..., tuple[str, str | None, int]],
+) -> None:
+    """Keep of the problems found only those that still hold now, against a fresh listing of
+    the manifests (and the catalog synced with it): a problem of steps that are gone, or whose
+    record no longer names what was missing, was a gc running beside verify, not damage."""
+    now = layout.list_manifests(objects)
+    sync.sync(catalog, objects)  # a step dropped elsewhere leaves a cache; a rewritten one is re-listed
+    before = len(report.problems) + len(report.file_problems) + len(index_problems)
+    before += sum(len(problems) for problems in by_step.values())
+
+    def still_needed(key: str, steps: set[int], files: bool = False) -> bool:
+        for step in sorted(steps & set(now.found)):
+            if step in listed.found and listed.generation(step) == now.generation(step):
+                return True  # the record verify checked against still stands
+            try:
+                record, _, _ = read_authentic_manifest(objects, step, now.generation(step))
+            except NotFoundError:
+                continue
+            except (CorruptError, UnsupportedError):
+                return True
+            named = {row.key for row in record.files} if files else _named(record)
+            if key in named:
+                return True
+        return False
+
+    problems = []
+    for problem in report.problems:
+        if still_needed(problem.blob, {user[0] for user in problem.users}):
+            name = layout.pack_name(problem.blob) if problem.users[0][3] == "pack" else None
+            name = name or layout.blob_name(problem.blob)
+            try:
+                size = objects.info(name).size
+            except NotFoundError:
+                problems.append(problem)  # still missing
+                continue
+            _, again, _ = check(problem.blob, {problem.blob: size})
+            if again:
+                problems.append(BlobProblem(problem.blob, again, problem.users))
+    report.problems = problems
+    report.file_problems = [
+        problem
+        for problem in report.file_problems
+        if still_needed(problem.key, {user[0] for user in problem.users}, files=True)
+        and (problem.problem != "is missing" or not objects.exists(layout.file_name(problem.key)))
+    ]
+    again: list[str] = []
+    for step in sorted(set(by_step) & set(now.found)):
+        name = layout.manifest_name(step, now.generation(step))
+        try:
+            record, generation, rejected = read_authentic_manifest(objects, step, now.generation(step))
+            name = layout.manifest_name(step, generation)
+        except NotFoundError:
+            continue
+        except (CorruptError, UnsupportedError) as exc:
+            record, rejected = f"cannot be read ({exc})", []
+        again += _manifest_problems(catalog, step, name, record, rejected)
+    users = catalog.referenced_blobs()
+    sizes = {key: row.size for key, row in catalog.blob_sizes(users).items()}
+    fresh = set(_index_problems(catalog, now, users, sizes))
+    report.catalog_problems = [p for p in report.catalog_problems if p not in index_problems]
+    report.catalog_problems += [p for p in index_problems if p in fresh]
+    report.manifest_problems = [p for p in report.manifest_problems if p not in _flat(by_step)] + again
+    after = len(report.problems) + len(report.file_problems) + len(again)
+    after += len([p for p in index_problems if p in fresh])
+    report.passed_on_recheck = max(0, before - after)
+
+
+def _named(record: StepRecord) -> set[str]:
+    """Every pack and blob ``record`` names."""
+    return {p.key for index in record.packs.values() for p in index.packs} | {t.blob for t in record.tensors}
+
+
+def _flat(by_step: dict[int, list[str]]) -> list[str]:
+    return [problem for problems in by_step.values() for problem in problems]
 
 
 def _count_temporary(objects: ObjectStore, report: VerifyReport) -> None:
@@ -205,12 +321,16 @@ def _verify_files(
 
 
 def _verify_manifests(
-    objects: ObjectStore, catalog: Catalog, manifests: layout.ManifestListing, report: VerifyReport
-) -> None:
+    objects: ObjectStore,
+    catalog: Catalog,
+    manifests: layout.ManifestListing,
+    report: VerifyReport,
+    pause: Callable[[str], None],
+) -> dict[int, list[str]]:
     """Read every step's manifest (its newest generation; with a key, its newest authentic one,
     reporting each newer one that is not), layer indexes included, and compare what it
     references with the catalog's rows of the step: a catalog row a store writer added (a
-    pack, a blob, an auxiliary file) shows here."""
+    pack, a blob, an auxiliary file) shows here. Returns the problems found by step."""
 
     def read(step: int) -> tuple[int, str, StepRecord | str | None, list[str]]:
         generation = manifests.generation(step)
@@ -222,14 +342,28 @@ def _verify_manifests(
         except (CorruptError, UnsupportedError) as exc:
             return step, layout.manifest_name(step, generation), f"cannot be read ({exc})", []
 
+    by_step: dict[int, list[str]] = {}
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
         for step, name, record, rejected in pool.map(read, sorted(manifests.found)):
             report.manifests_checked += 1
-            for problem in rejected:
-                report.manifest_problems.append(f"step {step}: {problem} (ignored: the step reads {name})")
-            problem = record if isinstance(record, str) else _disagreement(catalog, step, record)
-            if problem:
-                report.manifest_problems.append(f"step {step}: manifest {name} {problem}")
+            pause("manifest")
+            problems = _manifest_problems(catalog, step, name, record, rejected)
+            if problems:
+                by_step[step] = problems
+                report.manifest_problems += problems
+    return by_step
+
+
+def _manifest_problems(
+    catalog: Catalog, step: int, name: str, record: StepRecord | str | None, rejected: list[str]
+) -> list[str]:
+    """What is wrong with ``step``'s manifest ``name`` as read (``record``: a problem's text,
+    or None if it was gone) and with the newer generations passed over (``rejected``)."""
+    problems = [f"step {step}: {problem} (ignored: the step reads {name})" for problem in rejected]
+    problem = record if isinstance(record, str) else _disagreement(catalog, step, record)
+    if problem:
+        problems.append(f"step {step}: manifest {name} {problem}")
+    return problems
 
 
 def _disagreement(catalog: Catalog, step: int, record: StepRecord | None) -> str | None:

@@ -411,3 +411,28 @@ def test_a_job_restarted_during_an_outage_opens_on_its_tier_and_commits_on(
         store.drain()
         store.close()
     assert bucket_steps(s3) == [1, 2]
+
+
+def test_a_new_node_commits_into_its_tier_while_s3_is_away_and_asks_it_nothing(s3, node, engine):
+    node("a")  # another node committed steps 1 and 2 straight to S3
+    with ckptstore.open(s3.uri(), local="") as elsewhere:
+        elsewhere.commit(engine, 1)
+        train(engine, DATA[:1])
+        elsewhere.commit(engine, 2)
+        layers = list(elsewhere.sources(2))
+    store = ckptstore.open(s3.uri(), local=node("b"), local_upload="drain")  # a new node
+    assert store.steps() == [1, 2]
+    outage = inject_faults(store.objects.remote.client, "*", "connection", times=None)
+    with pytest.raises(
+        BadInputError, match=r"step 2, the one before step 3, is not in this node's local tier"
+    ):
+        store.commit(engine, 3, layers=layers[:1])  # its base is only in S3: said, not asked
+    store.commit(engine, 3)  # a full commit needs nothing of step 2
+    train(engine, DATA[1:2])
+    report = store.commit(engine, 4, layers=layers[:1])  # step 3 is at hand: inherited from it
+    assert set(report.layers_inherited.values()) == {3}
+    assert outage.seen == []  # not one request reached (or tried to reach) S3
+    outage.over = True
+    store.drain()
+    assert bucket_steps(s3) == [1, 2, 3, 4]
+    store.close()

@@ -306,7 +306,7 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
             )
             self.db["layer_packs"].insert_all(
                 {"step": i.step, "layer": i.layer, "size": i.size, "raw_size": i.raw_size,
-                 "packs": layerpacks.encode(i)}
+                 "packs": getattr(i, "encoded", None) or layerpacks.encode(i)}
                 for i in new_packs
             )  # fmt: skip
             self.db["samples"].insert_all(

@@ -72,12 +72,13 @@ def cache_path(objects: ObjectStore) -> Path:
     return Path(knobs.cache_dir()).expanduser() / f"{readable}-{digest}" / "catalog.db"
 
 
-def read_manifest(objects: ObjectStore, step: int, generation: int = 0) -> StepRecord:
+def read_manifest(objects: ObjectStore, step: int, generation: int = 0, *, lazy: bool = False) -> StepRecord:
     """Fetch and parse ``step``'s manifest of that generation. Raises NotFoundError, CorruptError
-    if it is malformed or names another step, UnsupportedError if a newer ckptstore wrote it."""
+    if it is malformed or names another step, UnsupportedError if a newer ckptstore wrote it.
+    ``lazy``: for an import, its pack indexes are decoded when first used (``manifest.decode``)."""
     name = layout.manifest_name(step, generation)
     try:
-        record = manifest.decode(objects.get(name), objects.content_hash, name)
+        record = manifest.decode(objects.get(name), objects.content_hash, name, lazy=lazy)
     except UnsupportedError as exc:
         raise UnsupportedError(f"{name}: {exc}") from None
     if record.step != step:
@@ -87,7 +88,7 @@ def read_manifest(objects: ObjectStore, step: int, generation: int = 0) -> StepR
 
 
 def read_authentic_manifest(
-    objects: ObjectStore, step: int, generation: int
+    objects: ObjectStore, step: int, generation: int, *, lazy: bool = False
 ) -> tuple[StepRecord, int, list[str]]:
     """``step``'s record from its newest manifest at or below ``generation`` that a store with
     a key can trust: ``(record, its generation, why each newer one was passed over)``.
@@ -96,10 +97,10 @@ def read_authentic_manifest(
     that is not authentic (someone who can write the store but holds no key put it there) is
     passed over for the newest authentic one below it, so it can neither change nor hide the
     step. Raises NotFoundError if the step is gone, CorruptError (the newest generation's
-    problem) if no generation of it is authentic.
+    problem) if no generation of it is authentic. ``lazy`` as ``read_manifest``.
     """
     try:
-        return read_manifest(objects, step, generation), generation, []
+        return read_manifest(objects, step, generation, lazy=lazy), generation, []
     except CorruptError as exc:
         if not objects.content_hash.authenticated:
             raise
@@ -107,7 +108,7 @@ def read_authentic_manifest(
     rejected = [str(first)]
     for older in sorted((g for g in layout.generations_of(objects, step) if g < generation), reverse=True):
         try:
-            return read_manifest(objects, step, older), older, rejected
+            return read_manifest(objects, step, older, lazy=lazy), older, rejected
         except NotFoundError:
             continue
         except CorruptError as exc:
@@ -121,15 +122,16 @@ def import_record(catalog: Catalog, record: StepRecord, generation: int = 0) -> 
 
 
 def _fetch_all(
-    objects: ObjectStore, steps: dict[int, int], report: SyncReport
-) -> Iterable[tuple[StepRecord, int]]:
+    objects: ObjectStore, steps: dict[int, int], report: SyncReport, *, lazy: bool = False
+) -> Iterable[list[tuple[StepRecord, int]]]:
     """The manifests of ``steps`` (step -> generation) in ascending step order (composite steps
-    after their sources), each with its generation."""
+    after their sources), each with its generation, in batches read on ``CKPTSTORE_IO_THREADS``
+    threads. ``lazy`` as ``read_manifest``."""
     ordered = sorted(steps)
 
     def fetch(step: int) -> tuple[StepRecord, int] | None:
         try:
-            record, generation, rejected = read_authentic_manifest(objects, step, steps[step])
+            record, generation, rejected = read_authentic_manifest(objects, step, steps[step], lazy=lazy)
             for problem in rejected:
                 log.warning("ckptstore: ignored %s", problem)
             return record, generation
@@ -142,9 +144,7 @@ def _fetch_all(
 
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
         for i in range(0, len(ordered), _BATCH):
-            for found in pool.map(fetch, ordered[i : i + _BATCH]):
-                if found is not None:
-                    yield found
+            yield [found for found in pool.map(fetch, ordered[i : i + _BATCH]) if found is not None]
 
 
 def _catalog_in_cache(objects: ObjectStore) -> bool:
@@ -200,9 +200,13 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
     reported in ``corrupt``; the next open lists them again, and gc refuses to run while one
     is unreadable). Raises UnsupportedError if a manifest was written by a newer ckptstore."""
     report = SyncReport()
-    for record, generation in _fetch_all(objects, {s: catalog.listed_generation(s) for s in steps}, report):
-        if import_record(catalog, record, generation):
-            report.imported.append(record.step)
+    listed = {s: catalog.listed_generation(s) for s in steps}
+    # A commit through a local tier reads no manifest the tier lacks: those stay listed.
+    listed = {s: g for s, g in listed.items() if objects.at_hand(layout.manifest_name(s, g))}
+    steps = list(listed)
+    for batch in _fetch_all(objects, listed, report, lazy=True):
+        with catalog.write_transaction():  # one commit (and sync to disk) a batch, not a step
+            report.imported += [record.step for record, g in batch if import_record(catalog, record, g)]
     for problem in report.corrupt:
         log.warning("ckptstore: skipped corrupt manifest %s", problem)
     catalog.unreadable.update(report.unreadable)
@@ -319,8 +323,10 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
     listing = layout.list_manifests(objects)
     catalog = Catalog(fresh)
     try:
-        for record, generation in _fetch_all(
-            objects, {s: listing.generation(s) for s in listing.found}, report
+        for record, generation in (
+            found
+            for batch in _fetch_all(objects, {s: listing.generation(s) for s in listing.found}, report)
+            for found in batch
         ):
             # A step whose packs a gc swept after its manifest was damaged cannot come back.
             needed = [b.key for b in record.blobs] + [p.key for i in record.packs.values() for p in i.packs]

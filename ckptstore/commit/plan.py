@@ -59,10 +59,14 @@ def plan_commit(
     ``selection`` = None saves every layer; a list saves those layers; a Strategy or callable
     chooses from the store's history and the update statistics. Layers not saved are inherited
     from the previous step. A store's first commit, and the first after the model or world
-    size changed, must save every layer (BadInputError otherwise, as for unknown layers).
+    size changed, must save every layer (BadInputError otherwise, as for unknown layers); so
+    must a commit through a local tier whose previous step this node has not read (only the
+    store behind the tier has it, and a commit does not ask it: ``CommitPlan.previous`` None).
     """
     layers = ordered_layers(key for key, role in description["module_keys"] if role != "alias")
     previous = catalog.latest_step(before=step)
+    if previous is not None and _out_of_reach(catalog, previous):
+        return _plan_full(catalog, step, layers, description, samples, selection, previous)
     sources = catalog.sources(previous) if previous is not None else {}
     same_layers = list(sources) == layers
     if not same_layers:
@@ -81,6 +85,41 @@ def plan_commit(
     saved = select_layers(layers, strategies.resolve(selection, context), refusal)
     layer_sources = {layer: step if layer in saved else sources[layer] for layer in layers}
     return CommitPlan(step, layers, layer_sources, updates, previous)
+
+
+def _out_of_reach(catalog: Catalog, step: int) -> bool:
+    """Whether ``step`` is listed but cannot be imported here now: its manifest is only in the
+    store behind a local tier (``ObjectStore.local_only``). A step gone or unreadable is not."""
+    catalog.load([step])
+    return not catalog.is_recorded(step) and step not in catalog.unreadable and catalog.has_step(step)
+
+
+def _plan_full(
+    catalog: Catalog,
+    step: int,
+    layers: list[str],
+    description: dict,
+    samples: dict[str, bytes],
+    selection: strategies.Selection,
+    previous: int,
+) -> CommitPlan:
+    """The plan of a commit that saves every layer because ``previous`` is out of reach."""
+    refusal = (
+        f"step {previous}, the one before step {step}, is not in this node's local tier or catalog, "
+        "and a commit through a local tier does not ask the store behind it, so layers cannot be "
+        f"inherited from it: commit every layer (layers=None), or let this node read step {previous} "
+        "first while the store can be reached (restore from it, or call sources(step) on the store)"
+    )
+    updates = stats.layer_updates(layers, {}, description["params"], samples, catalog)
+    context = strategies.CommitContext(
+        step=step,
+        layers=tuple(layers),
+        steps=tuple(s for s in catalog.steps() if s < step),
+        sources={},
+        updates={layer: update for layer, (_, update) in updates.items()},
+    )
+    select_layers(layers, strategies.resolve(selection, context), refusal)
+    return CommitPlan(step, layers, dict.fromkeys(layers, step), updates, None)
 
 
 def select_layers(layers: list[str], wanted: Iterable[str] | None, refusal: str | None) -> set[str]:

@@ -139,7 +139,9 @@ def commit_step(
         catalog.require_writable("commit")
         return own.sample(take_snapshot, files, metrics)
 
-    with objects.lock(exclusive=False):
+    # local_only: a commit through a local tier reads what the tier and catalog hold, never
+    # the store behind it, so an outage there never reaches training.
+    with objects.lock(exclusive=False), objects.local_only():
         sampled = ranks.on_every_rank(what, sample)
         shares = ranks.on_every_rank(what, lambda: own.store(sampled, layers))
         created = {key: size for share in shares for key, size in share.stored.created.items()}
@@ -212,7 +214,8 @@ def submit_commit(
     while the engine's next optimizer step waits for the copy. ``options`` as ``commit_step``.
     """
     queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
-    check_new_step(catalog, step)
+    with objects.local_only():
+        check_new_step(catalog, step)
     if options.get("files") is not None:
         # Read now: by the time the commit runs, the files may have changed or gone (the
         # Trainer's save_total_limit deletes old checkpoint folders).

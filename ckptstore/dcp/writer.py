@@ -109,7 +109,8 @@ class StoreWriter(StorageWriter):
         """Check that the step can be committed, on every rank before anything is written."""
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") if kwargs.get("rank") is not None else ranks.world()[0]
-        check_new_step(self.store.catalog, self.step)
+        with self.store.objects.local_only():  # through a local tier: never the store behind it
+            check_new_step(self.store.catalog, self.step)
         if is_coordinator:
             config.upgrade(self.store.objects)
 
@@ -212,7 +213,7 @@ class StoreWriter(StorageWriter):
         """On the coordinator: record the step (the manifest, then the catalog), its packs and
         DCP's metadata; ConflictError if another writer committed the step meanwhile."""
         catalog, objects = self.store.catalog, self.store.objects
-        with objects.lock(exclusive=False):
+        with objects.lock(exclusive=False), objects.local_only():
             check_new_step(catalog, self.step)
             wrote = [result.storage_data for rank_results in results for result in rank_results]
             names = name_items(list(metadata.state_dict_metadata), metadata.planner_data)

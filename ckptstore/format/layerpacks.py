@@ -91,6 +91,79 @@ def decode(
     each: with ``numels`` the counts the head declares are held to that before the rest of
     the frame is decompressed. Without it they are held only to the frame's declared size.
     """
+    what, tensors, n, m, keys, ints = _parse(data, step, layer, numels)
+    ranks, sizes, raws = ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n]
+    tensor, pack, gap, numel = (ints[3 * n + i * m : 3 * n + (i + 1) * m] for i in range(4))
+    tensor, pack = np.cumsum(tensor), np.cumsum(pack)
+    start = _starts(tensor, gap, numel)
+    fragments = np.stack([tensor, pack, start, numel], axis=1) if m else np.zeros((0, 4), dtype=np.int64)
+    if m and (tensor.min() < 0 or tensor.max() >= len(tensors) or pack.min() < 0 or pack.max() >= n
+              or numel.min() < 0 or np.any(np.diff(tensor) < 0)):  # fmt: skip
+        raise CorruptError(f"{what} points outside itself")
+    if m and numels is not None:
+        # -1: a tensor the description gives no shape (a buffer), bounded by the manifest alone
+        limit = np.array([numels.get(name, -1) for name, _, _ in tensors], dtype=np.int64)[tensor]
+        if np.any((limit >= 0) & ((start < 0) | (start + numel > limit))):
+            raise CorruptError(f"{what} has fragments past the end of their parameters")
+    hexed = keys.hex()
+    packs = list(
+        map(
+            PackRef,
+            [hexed[i : i + 32] for i in range(0, 32 * n, 32)],
+            ranks.tolist(),
+            sizes.tolist(),
+            raws.tolist(),
+        )
+    )
+    return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64))
+
+
+class EncodedLayerPacks(LayerPacks):
+    """A layer's index as its bytes (``encoded``) and sizes, decoded (``decode``) only when its
+    packs, tensors or fragments are first used: what a catalog import needs of the thousands of
+    indexes a gc with an empty cache imports, none of which it reads (the catalog decodes, and
+    checks, the rows it is asked for)."""
+
+    encoded: bytes
+    _numels: Mapping[str, int] | None
+    _sizes: tuple[int, int]
+
+    def __getattr__(self, name: str):
+        # Only called for attributes not set yet: the decoded fields.
+        if name not in ("packs", "tensors", "fragments") or "encoded" not in self.__dict__:
+            raise AttributeError(name)
+        full = decode(self.encoded, self.step, self.layer, self._numels)
+        self.packs, self.tensors, self.fragments = full.packs, full.tensors, full.fragments
+        return getattr(self, name)
+
+    @property
+    def size(self) -> int:
+        return self.__dict__["_sizes"][0] if "_sizes" in self.__dict__ else super().size
+
+    @property
+    def raw_size(self) -> int:
+        return self.__dict__["_sizes"][1] if "_sizes" in self.__dict__ else super().raw_size
+
+
+def decode_lazily(
+    data: bytes | memoryview, step: int, layer: str, numels: Mapping[str, int] | None = None
+) -> LayerPacks:
+    """The index in ``data`` as ``decode`` gives it, with what makes it up checked and decoded
+    when first used (``EncodedLayerPacks``): now only its frame, head and sizes. CorruptError,
+    UnsupportedError as ``decode`` for those; its fragments raise them on first use."""
+    data = bytes(data)
+    _, _, n, _, _, ints = _parse(data, step, layer, numels)
+    index = EncodedLayerPacks.__new__(EncodedLayerPacks)
+    index.step, index.layer, index.encoded, index._numels = step, layer, data, numels
+    index._sizes = (int(ints[n : 2 * n].sum()), int(ints[2 * n : 3 * n].sum()))
+    return index
+
+
+def _parse(
+    data: bytes | memoryview, step: int, layer: str, numels: Mapping[str, int] | None
+) -> tuple[str, list[tuple[str, str, str]], int, int, bytes, np.ndarray]:
+    """``(what, tensors, n packs, m fragments, pack keys, the integer columns)`` of an index's
+    bytes, its frame and lengths checked (see ``decode``)."""
     data = bytes(data)
     what = f"the pack index of {layer} at step {step}"
     if len(data) < _PREAMBLE.size or data[:4] != MAGIC:
@@ -109,29 +182,11 @@ def decode(
         ints = np.frombuffer(body, dtype=_INT, offset=position)
         if len(keys) != 16 * n or len(ints) != 3 * n + 4 * m:
             raise CorruptError("wrong length")
-        ranks, sizes, raws = ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n]
-        tensor, pack, gap, numel = (ints[3 * n + i * m : 3 * n + (i + 1) * m] for i in range(4))
     except CorruptError as exc:
         raise CorruptError(f"{what} is malformed ({clip(str(exc))})") from None
     except (zstandard.ZstdError, ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:
         raise CorruptError(f"{what} is malformed ({clip(repr(exc))})") from None
-    tensor, pack = np.cumsum(tensor), np.cumsum(pack)
-    start = _starts(tensor, gap, numel)
-    fragments = np.stack([tensor, pack, start, numel], axis=1) if m else np.zeros((0, 4), dtype=np.int64)
-    if m and (tensor.min() < 0 or tensor.max() >= len(tensors) or pack.min() < 0 or pack.max() >= n
-              or numel.min() < 0 or np.any(np.diff(tensor) < 0)):  # fmt: skip
-        raise CorruptError(f"{what} points outside itself")
-    if m and numels is not None:
-        # -1: a tensor the description gives no shape (a buffer), bounded by the manifest alone
-        limit = np.array([numels.get(name, -1) for name, _, _ in tensors], dtype=np.int64)[tensor]
-        if np.any((limit >= 0) & ((start < 0) | (start + numel > limit))):
-            raise CorruptError(f"{what} has fragments past the end of their parameters")
-    hexed = keys.hex()
-    packs = [
-        PackRef(hexed[32 * i : 32 * (i + 1)], rank, size, raw)
-        for i, (rank, size, raw) in enumerate(zip(ranks.tolist(), sizes.tolist(), raws.tolist(), strict=True))
-    ]
-    return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64))
+    return what, tensors, n, m, keys, ints
 
 
 def numels(description: object) -> dict[str, int]:

@@ -100,8 +100,12 @@ def encode(record: StepRecord, content_hash: ContentHash = PLAIN, generation: in
     return MAGIC + bytes([AUTHENTICATED_VERSION]) + tag + frame
 
 
-def decode(data: bytes, content_hash: ContentHash = PLAIN, name: str | None = None) -> StepRecord:
+def decode(
+    data: bytes, content_hash: ContentHash = PLAIN, name: str | None = None, *, lazy: bool = False
+) -> StepRecord:
     """The record in manifest bytes of any format. Each tensor row gets its layer's source step.
+    ``lazy``: its pack indexes are checked and decoded when first used
+    (``layerpacks.decode_lazily``), as a catalog import, which stores their bytes, needs them.
 
     With a keyed ``content_hash`` (the store's) only format 3 is read, and only when its tag
     matches the object ``name`` it was read from; without, format 3 is refused (nothing can
@@ -118,7 +122,7 @@ def decode(data: bytes, content_hash: ContentHash = PLAIN, name: str | None = No
             if not isinstance(body, dict):
                 raise CorruptError("malformed manifest: not a JSON object")
             check_version("manifest", body.get("version"), 1)
-        return _record(body, indexes)
+        return _record(body, indexes, lazy)
     except CorruptError:
         raise
     except _MALFORMED as exc:
@@ -165,7 +169,7 @@ def _unwrap(data: bytes) -> tuple[dict, bytes]:
     return body, payload[_LENGTH.size + length :]
 
 
-def _record(body: dict, indexes: bytes) -> StepRecord:
+def _record(body: dict, indexes: bytes, lazy: bool = False) -> StepRecord:
     step = int(body["step"])
     sources = {str(layer): int(source) for layer, source in body["layers"]}
     packs, position = {}, 0
@@ -174,7 +178,9 @@ def _record(body: dict, indexes: bytes) -> StepRecord:
         chunk = indexes[position : position + int(length)]
         if len(chunk) != int(length):
             raise CorruptError("malformed manifest: truncated pack index")
-        packs[str(layer)] = layerpacks.decode(chunk, int(source), str(layer), numels)
+        packs[str(layer)] = (layerpacks.decode_lazily if lazy else layerpacks.decode)(
+            chunk, int(source), str(layer), numels
+        )
         position += int(length)
     if position != len(indexes):
         raise CorruptError("malformed manifest: bytes past its last pack index")

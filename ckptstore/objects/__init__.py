@@ -205,6 +205,17 @@ class ObjectStore(abc.ABC):
         By default there are none, so every name is already gone: nothing to do."""
         return None
 
+    def local_only(self) -> contextlib.AbstractContextManager:
+        """Within it, this thread reads only what this node holds: a local tier does not ask the
+        store behind it (a commit never waits on the network, nor fails with it). Other
+        backends have nothing behind them: a no-op."""
+        return contextlib.nullcontext()
+
+    def at_hand(self, name: str) -> bool:
+        """Whether this thread may read ``name`` now without asking further than ``local_only``
+        allows; True outside it. A catalog imports only manifests at hand."""
+        return True
+
     def note_share(self, step: int, rank: int, names: dict[str, int]) -> None:
         """Rank ``rank``'s objects of ``step`` (name -> stored size) are durable here. A local
         tier keeps the list, so that this node uploads them even when the step's manifest is

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class TieredObjectStore(ObjectStore):
         # The catalog file and the refusal to write outputs into the store follow the local tier.
         self.root: Path = local.root
         self.spill_directory = local.spill_directory
+        self._thread = threading.local()  # local_only, per thread: a background commit has its own
 
     @property
     def private_catalog(self) -> bool:
@@ -57,23 +59,45 @@ class TieredObjectStore(ObjectStore):
         # remote still has is written locally again, and the upload then finds it there.
         return self.local.touch(name)
 
+    @contextlib.contextmanager
+    def local_only(self) -> Iterator[None]:
+        """Within it, this thread's reads and listings take the local tier's copy or none: the
+        remote is not asked (a missing object is a NotFoundError saying so). What a commit runs in."""
+        before = getattr(self._thread, "local_only", False)
+        self._thread.local_only = True
+        try:
+            yield
+        finally:
+            self._thread.local_only = before
+
+    def at_hand(self, name: str) -> bool:
+        return not getattr(self._thread, "local_only", False) or self.local.exists(name)
+
+    def _remote(self, name: str) -> ObjectStore:
+        """The remote, to read ``name`` from, unless this thread is ``local_only``."""
+        if getattr(self._thread, "local_only", False):
+            raise NotFoundError(
+                f"{name} is not in the local tier {self.local.uri}, and a commit does not ask {self.remote.uri}"
+            )
+        return self.remote
+
     def get(self, name: str) -> bytes:
         try:
             return self.local.get(name)
         except NotFoundError:
-            return self.remote.get(name)
+            return self._remote(name).get(name)
 
     def get_range(self, name: str, start: int, length: int) -> bytes | memoryview:
         try:
             return self.local.get_range(name, start, length)
         except NotFoundError:
-            return self.remote.get_range(name, start, length)
+            return self._remote(name).get_range(name, start, length)
 
     def info(self, name: str) -> ObjectInfo:
         try:
             return self.local.info(name)
         except NotFoundError:
-            return self.remote.info(name)
+            return self._remote(name).info(name)
 
     def delete(self, name: str) -> None:
         """Remove the object from the local tier only: the remote is collected by its own gc."""
@@ -87,7 +111,8 @@ class TieredObjectStore(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object either tier has, once each (the local copy's info where both do);
         offline, the local tier's."""
-        found = {} if self.offline else {info.name: info for info in self.remote.list(prefix)}
+        remote = not (self.offline or getattr(self._thread, "local_only", False))
+        found = {info.name: info for info in self.remote.list(prefix)} if remote else {}
         found.update((info.name, info) for info in self.local.list(prefix))
         yield from (found[name] for name in sorted(found))
 
