@@ -73,7 +73,10 @@ def open(  # noqa: A001 - the public name
     is the store itself, fronts another store or is a store of its own. A local tier that has
     fronted the store before opens even while the store cannot be reached: its steps and those
     of the store it knew are listed, commits land in the tier, and uploads wait for the store.
+    Every ``CKPTSTORE_*`` setting is checked first (``knobs.check_all``: BadInputError naming a
+    bad one).
     """
+    knobs.check_all()
     local = knobs.local_tier() if local is None else os.fspath(local)
     content_hash = content_hash_for(key)
     offline = False
@@ -126,6 +129,7 @@ def rebuild_catalog(
     Raises NotFoundError if there is no store at ``uri``, UnsupportedError if a newer
     ckptstore wrote the store or one of its manifests.
     """
+    knobs.check_all()
     objects = _open_objects(uri, create=False, endpoint_url=endpoint_url, content_hash=content_hash_for(key))
     return sync.rebuild(sync.catalog_path(objects), objects)
 

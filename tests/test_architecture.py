@@ -7,6 +7,8 @@ modules together).
 import ast
 from pathlib import Path
 
+import pytest
+
 import ckptstore
 
 PACKAGE = Path(ckptstore.__file__).parent
@@ -21,7 +23,7 @@ LAYERS = [
     {"export"},
     {"store"},
     {"opening"},
-    {"cli", "__init__", "integrations"},
+    {"cli", "__init__", "__main__", "integrations"},
 ]
 
 
@@ -93,3 +95,12 @@ def test_there_is_no_import_cycle():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+def test_every_package_ships_in_a_non_editable_install():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(
+        tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {path.parent.relative_to(PACKAGE).parts for path in PACKAGE.rglob("*.py")}
+    assert {".".join(["ckptstore", *parts]) for parts in folders} - listed == set()
