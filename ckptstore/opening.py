@@ -74,7 +74,8 @@ def open(  # noqa: A001 - the public name
     fronted the store before opens even while the store cannot be reached: its steps and those
     of the store it knew are listed, commits land in the tier, and uploads wait for the store.
     Every ``CKPTSTORE_*`` setting is checked first (``knobs.check_all``: BadInputError naming a
-    bad one).
+    bad one). A location that holds store objects but no ``config.json`` is CorruptError, even
+    with ``create``: only an empty one becomes a store.
     """
     knobs.check_all()
     local = knobs.local_tier() if local is None else os.fspath(local)
