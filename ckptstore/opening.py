@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from . import knobs
+from .arguments import check_path
 from .catalog import sync
 from .errors import BadInputError, CkptStoreError, StorageError, require_int
 from .format.config import ensure_config
@@ -78,7 +79,7 @@ def open(  # noqa: A001 - the public name
     with ``create``: only an empty one becomes a store.
     """
     knobs.check_all()
-    local = knobs.local_tier() if local is None else os.fspath(local)
+    local = knobs.local_tier() if local is None else check_path(local, "local")
     content_hash = content_hash_for(key)
     offline = False
     try:
@@ -197,8 +198,8 @@ def _open_tier(
     offline: bool = False,
 ) -> tuple[TieredObjectStore, Tier]:
     """The local tier at ``path`` in front of ``remote``, paired with it."""
-    keep = require_int(keep, "local_keep", minimum=0)
-    max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0)
+    keep = require_int(keep, "local_keep", minimum=0, maximum=1_000_000)
+    max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0, maximum=knobs.MAX_BYTES)
     local = LocalObjectStore(path, create=True)
     local.content_hash = remote.content_hash
     if getattr(remote, "root", None) == local.root:

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from . import auxfiles, strategies
-from .arguments import check_layers, check_step, while_open
+from .arguments import check_commit, check_engine, check_layers, check_step, while_open
 from .catalog import Catalog
 from .commit.background import CommitHandle, CommitQueue
 from .commit.step import CommitReport, commit_step, submit_commit
 from .dcp import dcp_description
 from .dcp.directory import materialize_dcp
 from .dcp.weights import state_dict as dcp_state_dict
-from .errors import BadInputError, require_int
+from .errors import BadInputError
 from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
 from .export.folder import export as export_folder
 from .export.weights import parse_dtype, state_dict
@@ -157,10 +157,10 @@ class Store(TierVerbs):
         StorageError from recording the catalog's rows after the manifest leaves the step
         committed (the next open lists it). Every method of a closed store raises BadInputError.
         """
-        from .deepspeed.extract import check_is_engine, extract
+        from .deepspeed.extract import extract
 
         step = check_step(step)
-        check_is_engine(engine)
+        check_commit(engine, client_state)
         layers = check_layers(layers)
         options = dict(layers=layers, files=files, metrics=metrics)
         take_snapshot = functools.partial(extract, engine, client_state)
@@ -313,7 +313,7 @@ class Store(TierVerbs):
         WeightsOnlyError, CorruptError, BadInputError (a bad spec, an engine of another ZeRO
         stage or optimizer).
         """
-        require_int(engine.dp_world_size, "the engine's data-parallel size", minimum=1)
+        check_engine(engine)
         options = dict(
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,

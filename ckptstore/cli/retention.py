@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import click
 
+from .. import knobs
 from .base import cli, human, open_store
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -27,8 +27,8 @@ class Duration(click.ParamType):
             seconds = float(text[:-1]) * unit if unit else float(text)
         except ValueError:
             self.fail(f"{value!r} is not a duration like 90s, 30m, 2h or 7d", param, ctx)
-        if not math.isfinite(seconds) or seconds < 0:  # nan would switch the grace period off
-            self.fail(f"{value!r} is not a finite non-negative duration like 90s, 30m, 2h or 7d", param, ctx)
+        if not 0 <= seconds <= knobs.MAX_GRACE:  # nan would switch the grace period off
+            self.fail(f"{value!r} is not a duration from 0 to ten years like 90s, 30m, 2h or 7d", param, ctx)
         return seconds
 
 
