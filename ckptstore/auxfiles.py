@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from . import knobs
-from .errors import BadInputError, CorruptError, NotFoundError
+from .errors import BadInputError, CorruptError, NotFoundError, clip
 from .format.layout import file_name
 from .hashing import PLAIN, ContentHash
 from .model import FileRow
@@ -55,6 +55,8 @@ def collect(files: FileSpec | Read) -> Entries:
     """
     if isinstance(files, Read):
         return list(files)
+    if not isinstance(files, str | os.PathLike | Iterable) or isinstance(files, bytes):
+        raise BadInputError(f"files= takes paths or a directory, not {clip(repr(files), 60)}")
     given = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     found: dict[str, Path] = {}
     for item in given:

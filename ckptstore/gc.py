@@ -26,15 +26,15 @@ blobs they reuse. Two gc runs at once simply take turns.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from . import knobs
+from .arguments import check_retention, check_seconds
 from .catalog import Catalog, sync
-from .errors import BadInputError, CorruptError
+from .errors import BadInputError, CorruptError, clip
 from .format import layout
 from .objects import ObjectInfo, ObjectStore
 from .progress import progress_bar
@@ -142,15 +142,19 @@ def steps_to_keep(
 
 def grace_seconds(grace: timedelta | float | None) -> float:
     """The grace period in seconds: ``CKPTSTORE_GC_GRACE`` when None. BadInputError unless it
-    is a finite non-negative duration (NaN compares false with every age, so it would switch
-    the grace period off; infinity would never sweep)."""
+    is a duration from 0 to ten years (``knobs.MAX_GRACE``): NaN compares false with every
+    age, so it would switch the grace period off; infinity, or centuries, would never sweep."""
     seconds = knobs.gc_grace_seconds() if grace is None else grace
     try:
         seconds = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
-    except (TypeError, ValueError):
-        raise BadInputError(f"the grace period must be a duration in seconds, not {grace!r}") from None
-    if isinstance(grace, bool) or not math.isfinite(seconds) or seconds < 0:
-        raise BadInputError(f"the grace period must be a finite non-negative duration, not {grace!r}")
+    except (TypeError, ValueError, OverflowError):
+        raise BadInputError(
+            f"the grace period must be a duration in seconds, not {clip(repr(grace), 40)}"
+        ) from None
+    if isinstance(grace, bool) or not 0 <= seconds <= knobs.MAX_GRACE:
+        raise BadInputError(
+            f"the grace period must be a duration from 0 to ten years, not {clip(repr(grace), 40)}"
+        )
     return seconds
 
 
@@ -182,15 +186,14 @@ def collect(
     (nothing is changed then), StorageError (before any work) when the catalog is a read-only
     copy and ``dry_run`` is false.
     """
+    keep_steps, keep_best = check_retention(
+        keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps, keep_best=keep_best,
+        keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
+    )  # fmt: skip
     if not dry_run:
         catalog.require_writable("gc")
     rules = [KeepBest.parse(rule) for rule in keep_best]
-    for name, value in (
-        ("--keep-weights-every", keep_weights_every),
-        ("--keep-weights-last", keep_weights_last),
-    ):
-        if value is not None and value <= 0:
-            raise BadInputError(f"{name} must be > 0, not {value}")
+    now = check_seconds(now, "now", maximum=1e11)  # a time, in seconds since 1970
     weights_rules = keep_weights_every is not None or keep_weights_last is not None
     with objects.lock(exclusive=True):
         sync.load_every_step(catalog, objects)

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from . import knobs
+from .arguments import check_path
 from .catalog import sync
 from .errors import BadInputError, CkptStoreError, StorageError, require_int
 from .format.config import ensure_config
@@ -73,8 +74,12 @@ def open(  # noqa: A001 - the public name
     is the store itself, fronts another store or is a store of its own. A local tier that has
     fronted the store before opens even while the store cannot be reached: its steps and those
     of the store it knew are listed, commits land in the tier, and uploads wait for the store.
+    Every ``CKPTSTORE_*`` setting is checked first (``knobs.check_all``: BadInputError naming a
+    bad one). A location that holds store objects but no ``config.json`` is CorruptError, even
+    with ``create``: only an empty one becomes a store.
     """
-    local = knobs.local_tier() if local is None else os.fspath(local)
+    knobs.check_all()
+    local = knobs.local_tier() if local is None else check_path(local, "local")
     content_hash = content_hash_for(key)
     offline = False
     try:
@@ -126,6 +131,7 @@ def rebuild_catalog(
     Raises NotFoundError if there is no store at ``uri``, UnsupportedError if a newer
     ckptstore wrote the store or one of its manifests.
     """
+    knobs.check_all()
     objects = _open_objects(uri, create=False, endpoint_url=endpoint_url, content_hash=content_hash_for(key))
     return sync.rebuild(sync.catalog_path(objects), objects)
 
@@ -192,8 +198,8 @@ def _open_tier(
     offline: bool = False,
 ) -> tuple[TieredObjectStore, Tier]:
     """The local tier at ``path`` in front of ``remote``, paired with it."""
-    keep = require_int(keep, "local_keep", minimum=0)
-    max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0)
+    keep = require_int(keep, "local_keep", minimum=0, maximum=1_000_000)
+    max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0, maximum=knobs.MAX_BYTES)
     local = LocalObjectStore(path, create=True)
     local.content_hash = remote.content_hash
     if getattr(remote, "root", None) == local.root:

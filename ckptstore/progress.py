@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from tqdm import tqdm
+
+from . import knobs
 
 T = TypeVar("T")
 
@@ -21,4 +22,4 @@ def progress_bar(
 
 def shown() -> bool:
     """Whether progress bars are shown: on a terminal, unless ``CKPTSTORE_PROGRESS=0``."""
-    return sys.stderr.isatty() and os.environ.get("CKPTSTORE_PROGRESS", "1") != "0"
+    return sys.stderr.isatty() and knobs.progress()

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .arguments import check_step
+from .arguments import check_engine, check_step
 from .catalog import Catalog
 from .commit import ranks
-from .errors import BadInputError, CkptStoreError, NotFoundError, StorageError, require_int
+from .errors import BadInputError, CkptStoreError, NotFoundError, StorageError
 from .materialize import compose
 from .materialize.directory import check_resumable, step_reader
 from .model import FP32
@@ -57,11 +57,10 @@ def restore(
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
     Returns ``(step, client_state)``. BadInputError for a step outside 0..2**63-1 or what is
     no DeepSpeed engine."""
-    from .deepspeed.extract import check_is_engine, optimizer_flavour
+    from .deepspeed.extract import optimizer_flavour
     from .deepspeed.load import load_from_memory, start_module_weights
 
-    check_is_engine(engine)
-    require_int(engine.dp_world_size, "the engine's data-parallel size", minimum=1)
+    check_engine(engine)
     step = None if step is None else check_step(step)
 
     def choose() -> int:

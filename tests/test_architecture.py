@@ -7,6 +7,8 @@ modules together).
 import ast
 from pathlib import Path
 
+import pytest
+
 import ckptstore
 
 PACKAGE = Path(ckptstore.__file__).parent
@@ -21,7 +23,7 @@ LAYERS = [
     {"export", "frontdoors"},
     {"store"},
     {"opening"},
-    {"cli", "__init__", "integrations"},
+    {"cli", "__init__", "__main__", "integrations"},
 ]
 
 
@@ -119,3 +121,12 @@ def _code_lines(path: Path) -> int:
 def test_the_store_stays_a_facade():
     # One short method per verb: a pipeline growing in store.py belongs in the module it serves.
     assert _code_lines(PACKAGE / "store.py") <= 200
+
+
+def test_every_package_ships_in_a_non_editable_install():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(
+        tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {path.parent.relative_to(PACKAGE).parts for path in PACKAGE.rglob("*.py")}
+    assert {".".join(["ckptstore", *parts]) for parts in folders} - listed == set()

@@ -2,18 +2,24 @@
 
 import json
 import os
+import re
+import runpy
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
+import click
 import pytest
+from click.testing import CliRunner
 
 import ckptstore
 from tools.engines import batches, build_engine, train
 
 
-def test_the_console_script_reports_errors_without_a_traceback(tmp_path):
+def test_python_m_ckptstore_is_the_cli_and_reports_errors_without_a_traceback(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "ckptstore.cli", "--store", str(tmp_path / "none"), "verify"],
+        [sys.executable, "-m", "ckptstore", "--store", str(tmp_path / "none"), "verify"],
         capture_output=True, text=True, env={**os.environ, "CKPTSTORE_STORE": ""},
     )  # fmt: skip
     assert result.returncode == 3
@@ -247,3 +253,73 @@ def test_a_pack_or_blob_written_by_a_newer_format_is_refused_by_materialize(run,
         and f"pack {blob.name}" in verified.stdout
         and "cannot be read" in verified.stdout
     )
+
+
+def test_python_m_ckptstore_cli_is_the_cli_too(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["ckptstore", "--version"])
+    runpy.run_module("ckptstore.cli", run_name="__main__")
+    assert capsys.readouterr().out.startswith("ckptstore, version ")
+
+
+def test_group_options_are_accepted_after_the_command(run, gc_store, tmp_path):
+    steps = [300, 400]
+    listed = run("log", "--json", "--store", gc_store)
+    assert [json.loads(line)["step"] for line in listed.stdout.splitlines()] == steps
+    # Given on both sides, the one after the command wins, as a command's own option does.
+    assert run("--store", tmp_path / "missing", "log", "--store", gc_store).returncode == 0
+    assert run("catalog", "rebuild", "--store", gc_store).returncode == 0
+    assert run("catalog", "--store", gc_store, "rebuild").returncode == 0
+    nvme = tmp_path / "nvme"
+    ckptstore.open(gc_store, local=nvme, local_upload="drain").close()
+    result = run("drain", "--local", nvme)  # the README's own line: exit 2 "No such option" before
+    assert result.returncode == 0 and result.stdout.startswith("nothing to upload"), result
+    through_tier = run("log", "--local", nvme).stdout.splitlines()  # the store the tier fronts
+    assert (
+        through_tier[0].endswith("where") and [line.split()[-1] for line in through_tier[1:]] == ["store"] * 2
+    )
+
+
+def _command_lines() -> list[str]:
+    """Every `ckptstore ...` command line of the README (its shell blocks, and inline code) and
+    of the commands' own help texts, without the word ckptstore."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    # A line that is a command: crontab fields and VAR=value settings may come before it.
+    command = re.compile(r"^(?:[\d*/,-]+\s+)*(?:[A-Z][A-Z0-9_]*=\S*\s+)*ckptstore\s+(.*)$")
+    lines, fence = [], None
+    for line in readme.splitlines():
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+        elif fence is None:
+            lines += re.findall(r"`ckptstore\s+([^`]+)`", line)
+        elif fence != "python" and (found := command.match(line.strip())):
+            lines.append(found.group(1))
+
+    def helps(group: click.Group):
+        for sub in group.commands.values():
+            yield sub.help or ""
+            if isinstance(sub, click.Group):
+                yield from helps(sub)
+
+    from ckptstore.cli import cli
+
+    for text in [cli.help or "", *helps(cli)]:
+        lines += [found.group(1) for found in map(command.search, text.splitlines()) if found]
+    return lines
+
+
+def test_the_readme_and_the_help_texts_have_command_lines():
+    lines = _command_lines()
+    assert len(lines) >= 30 and "drain --local /nvme/ckpt/run7" in [
+        line.split("#")[0].strip() for line in lines
+    ]
+
+
+@pytest.mark.parametrize("line", _command_lines())
+def test_every_documented_command_line_parses(line):
+    from ckptstore.cli import cli
+
+    # `[--json]`: an option that may be left out; the line is tried with it.
+    args = shlex.split(line.replace("[", "").replace("]", ""), comments=True)
+    result = CliRunner().invoke(cli, [*args, "--help"], prog_name="ckptstore")
+    assert result.exit_code == 0, f"ckptstore {line}: {result.output}"
+    assert result.output.startswith("Usage: ckptstore")

@@ -469,6 +469,9 @@ def test_bad_commit_arguments_are_bad_input_naming_them_before_any_work(committe
             (dict(engine=engine, step=2, layers="model.layers.0"), "layers"),
             (dict(engine=None, step=2), "DeepSpeed engine"),
             (dict(engine=torch.nn.Linear(2, 2), step=2), "DeepSpeed engine"),
+            (dict(engine=engine, step=2, client_state=5), "client_state"),  # a TypeError before
+            (dict(engine=engine, step=2, files=5), "files="),
+            (dict(engine=engine, step=2, metrics={"loss": 10**400}), "metrics="),  # an OverflowError
         ]:
             with pytest.raises(BadInputError, match=says) as caught:
                 store.commit(**arguments)
@@ -491,6 +494,64 @@ def test_bad_read_arguments_are_bad_input_naming_them(committed, tmp_path):
     for uri in (None, 123, b"/tmp/x"):
         with pytest.raises(BadInputError, match="path or a URI"):
             ckptstore.open(uri)
+
+
+def test_bad_argument_types_and_numbers_are_bad_input_never_a_type_error(committed, tmp_path, engine):
+    out = tmp_path / "out"
+    with ckptstore.open(committed, create=False) as store:
+        for call, says in [  # issue 37 item 15's raw TypeError/AttributeError first
+            (lambda: store.materialize(1, 123), "output directory"),
+            (lambda: store.export(1, b"/tmp/x"), "output directory"),
+            (lambda: store.gc(keep_last=1.5, dry_run=True), "keep-last"),
+            (lambda: store.gc(keep_last=2**64, dry_run=True), "keep-last"),
+            (lambda: store.gc(keep_every=0, dry_run=True), "keep-every"),
+            (lambda: store.gc(keep_steps=5, dry_run=True), "keep-step"),
+            (lambda: store.gc(keep_best=5, dry_run=True), "keep_best"),
+            (lambda: store.gc(grace=1e30, dry_run=True), "grace"),
+            (lambda: store.gc(grace=timedelta(days=99999), dry_run=True), "grace"),
+            (lambda: store.gc(now="today", dry_run=True), "now"),
+            (lambda: store.restore(None), "DeepSpeed engine"),
+            (lambda: store.export(1, out, max_shard_size="1e999GB"), "max shard size"),  # OverflowError
+            (lambda: store.export(1, out, max_shard_size=-5), "max shard size"),
+            (lambda: ckptstore.open(committed, local=5), "local must be a path"),
+            (lambda: ckptstore.open(committed, local=tmp_path / "t", local_keep=10**30), "local_keep"),
+            (lambda: ckptstore.open("s3://bucket/run", endpoint_url=5), "endpoint_url"),
+            (lambda: ckptstore.open("s3://bucket/run", s3_timeout=1e9), "s3_timeout"),
+        ]:
+            with pytest.raises(BadInputError, match=says) as caught:
+                call()
+            assert len(str(caught.value)) < LONGEST_MESSAGE
+        assert store.steps() == [1]
+    assert not out.exists() and not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize(
+    "command, says",
+    [
+        (["export", "--step", 1, "--max-shard-size", "-5GB", "OUT"], "max shard size"),  # 39 shards before
+        (["export", "--step", 1, "--max-shard-size", "1e999GB", "OUT"], "max shard size"),  # exit 70 before
+        (["gc", "--grace", "99999999999999999999d"], "ten years"),  # taken before: nothing ever swept
+        (["gc", "--keep-last", str(2**64)], "keep-last"),
+        (["materialize", "--step", 1, "--world-size", str(2**64), "OUT"], "world_size"),
+    ],
+)
+def test_numbers_out_of_range_on_the_command_line_exit_2(run, committed, tmp_path, command, says):
+    result = run("--store", committed, *[tmp_path / "out" if a == "OUT" else a for a in command])
+    assert result.returncode == 2 and says in result.stderr.splitlines()[-1]  # click's usage error, or ours
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_s3_endpoint_or_drain_timeout_exits_2(run, committed, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "not-a-url")  # exit 70, a ValueError, before
+    result = run("--store", "s3://bucket/run", "log")
+    assert result.returncode == 2 and "AWS_ENDPOINT_URL" in one_line(result)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    store = copy_store(committed, tmp_path / "store")
+    ckptstore.open(store, local=tmp_path / "nvme", local_upload="drain").close()
+    for timeout in ("nan", "-1", "1e30"):  # nan never ended a drain that could not upload
+        result = run("drain", "--local", tmp_path / "nvme", "--timeout", timeout)
+        assert result.returncode == 2 and "timeout" in one_line(result)
 
 
 def test_every_method_of_a_closed_store_is_bad_input(committed, tmp_path):

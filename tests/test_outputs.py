@@ -9,7 +9,7 @@ import time
 import pytest
 
 import ckptstore
-from ckptstore.errors import BadInputError, ConflictError, NotFoundError
+from ckptstore.errors import BadInputError, ConflictError, CorruptError, NotFoundError
 from ckptstore.materialize.outputs import MARKER
 
 
@@ -123,12 +123,62 @@ def test_commands_other_than_commit_never_create_a_store(tmp_path, run):
     assert (empty / "config.json").is_file()
 
 
-def test_a_store_that_lost_its_config_is_still_a_store(store, tmp_path):
+def contents(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_store_that_lost_its_config_is_reported_and_left_unchanged(store, tmp_path, run):
     root = store.objects.root
     store.close()
     (root / "config.json").unlink()
-    reopened = ckptstore.open(root, create=False)
-    assert reopened.steps() == [4] and (root / "config.json").is_file()
+    before = contents(root)
+    out = tmp_path / "out"
+    for command in (
+        ["log"], ["show", "--step", 4], ["verify"], ["materialize", "--step", 4, out],
+        ["export", "--step", 4, out], ["gc", "--keep-last", 1, "--grace", 0], ["delete", "--step", 4],
+        ["catalog", "rebuild"],
+    ):  # fmt: skip
+        result = run("--store", root, *command)
+        assert result.returncode == 4, (command, result)
+        assert (
+            "holds objects but no config.json" in result.stderr
+            and "put its config.json back" in result.stderr
+        )
+    for create in (False, True):  # not even to commit into: only an empty folder becomes a store
+        with pytest.raises(CorruptError, match="holds objects but no config.json"):
+            ckptstore.open(root, create=create)
+    assert contents(root) == before and not out.exists()
+
+
+def test_a_keyed_store_that_lost_its_config_never_gets_one_without_its_key(tmp_path, run, monkeypatch):
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache"))  # a keyed store's catalog
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    root = tmp_path / "keyed"
+    ckptstore.open(root, key=key_file.read_bytes()).close()
+    (root / "packs" / "ab").mkdir(parents=True)
+    (root / "packs" / "ab" / ("ab" * 16)).write_bytes(b"a pack")
+    config = (root / "config.json").read_bytes()
+    (root / "config.json").unlink()
+    assert run("--store", root, "log").returncode == 4
+    assert run("log", "--store", root, "--key-file", key_file).returncode == 4
+    with pytest.raises(CorruptError):
+        ckptstore.open(root)  # an unkeyed config here would lock the key out
+    assert not (root / "config.json").exists()
+    (root / "config.json").write_bytes(config)  # the fix the message names
+    assert run("log", "--store", root, "--key-file", key_file).stdout == "no steps committed yet\n"
+
+
+def test_an_s3_store_that_lost_its_config_is_reported_and_left_unchanged(s3, run):
+    ckptstore.open(s3.uri()).close()
+    s3.client.put_object(Bucket=s3.bucket, Key="run/packs/ab/" + "ab" * 16, Body=b"a pack")
+    s3.client.delete_object(Bucket=s3.bucket, Key="run/config.json")
+    for command in (["log"], ["verify"], ["gc", "--keep-last", 1]):
+        assert run("--store", s3.uri(), *command).returncode == 4
+    with pytest.raises(CorruptError, match="holds objects but no config.json"):
+        ckptstore.open(s3.uri())
+    assert s3.keys() == ["run/packs/ab/" + "ab" * 16]
 
 
 @pytest.mark.parametrize("grace", ["nan", "inf", "-1", "-5m", "soon", "NaNs"])

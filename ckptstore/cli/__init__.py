@@ -8,16 +8,18 @@ Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input; 3 not 
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
+from .. import knobs
 from ..errors import CkptStoreError, clip, redact
 from . import checkpoints, checks, retention, steps, tier  # noqa: F401  (each registers its commands)
-from .base import EXIT_INTERNAL, cli
+from .base import EXIT_INTERNAL, accept_group_options_after_commands, cli
 
 __all__ = ["cli", "main"]
+
+accept_group_options_after_commands(cli)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,10 +40,18 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("interrupted", err=True)
         sys.exit(130)
     except Exception as exc:  # a bug: one line, and the traceback only on request
-        if os.environ.get("CKPTSTORE_DEBUG"):
+        if _debug():
             raise
         click.echo(
             f"internal error: {type(exc).__name__}: {clip(redact(str(exc)), 300)} (set CKPTSTORE_DEBUG=1 for a traceback)",
             err=True,
         )
         sys.exit(EXIT_INTERNAL)
+
+
+def _debug() -> bool:
+    """``CKPTSTORE_DEBUG``, read where any error is being reported: a bad value is no traceback."""
+    try:
+        return knobs.debug()
+    except CkptStoreError:
+        return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..export.folder import DEFAULT_MAX_SHARD_SIZE
-from .base import cli, human, open_store, store_option
+from .base import cli, human, open_store
 
 
 def step_or_spec_options(step_help: str):
@@ -44,11 +44,9 @@ def check_step_or_spec(step: int | None, spec: str | None) -> None:
     "accelerate's save_state uses pytorch_model).",
 )  # fmt: skip
 @click.argument("out", type=click.Path(file_okay=False))
-@store_option
 @click.pass_context
 def materialize(
     ctx: click.Context,
-    store_uri: str | None,
     step: int | None,
     spec: str | None,
     world_size: int | None,
@@ -97,9 +95,8 @@ def materialize(
     "--force", is_flag=True, help="Replace OUT if materialize or export wrote it (never another folder)."
 )
 @click.argument("out", type=click.Path(file_okay=False))
-@store_option
 @click.pass_context
-def export(ctx, store_uri, step, spec, dtype, max_shard_size, force, out) -> None:
+def export(ctx, step, spec, dtype, max_shard_size, force, out) -> None:
     """Write the model weights of step STEP as a Hugging Face model folder OUT.
 
     OUT gets model.safetensors (or shards and model.safetensors.index.json past

@@ -9,16 +9,15 @@ from dataclasses import asdict
 import click
 
 from .. import opening
-from .base import EXIT_PROBLEMS, cli, human, key_of, open_store, store_option, uri_of
+from .base import EXIT_PROBLEMS, cli, human, key_of, open_store, uri_of
 
 
 @cli.command()
 @click.option("--fast", is_flag=True, help="Only check presence, size and header (no re-hash).")
 @click.option("--deep", is_flag=True, help="Decode and re-hash every blob (the default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@store_option
 @click.pass_context
-def verify(ctx: click.Context, store_uri: str | None, fast: bool, deep: bool, as_json: bool) -> None:
+def verify(ctx: click.Context, fast: bool, deep: bool, as_json: bool) -> None:
     """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
     Every step's manifest is read and compared with the catalog. Exit code 0 when clean, 1 when
@@ -71,9 +70,8 @@ def catalog() -> None:
 
 @catalog.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@store_option
 @click.pass_context
-def rebuild(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
+def rebuild(ctx: click.Context, as_json: bool) -> None:
     """Rebuild the catalog from the step manifests in the store.
 
     For an S3 store that is the local index under $CKPTSTORE_CACHE: any machine rebuilds it

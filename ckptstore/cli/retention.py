@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import click
 
-from .base import cli, human, open_store, store_option
+from .. import knobs
+from .base import cli, human, open_store
 
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -27,8 +27,8 @@ class Duration(click.ParamType):
             seconds = float(text[:-1]) * unit if unit else float(text)
         except ValueError:
             self.fail(f"{value!r} is not a duration like 90s, 30m, 2h or 7d", param, ctx)
-        if not math.isfinite(seconds) or seconds < 0:  # nan would switch the grace period off
-            self.fail(f"{value!r} is not a finite non-negative duration like 90s, 30m, 2h or 7d", param, ctx)
+        if not 0 <= seconds <= knobs.MAX_GRACE:  # nan would switch the grace period off
+            self.fail(f"{value!r} is not a duration from 0 to ten years like 90s, 30m, 2h or 7d", param, ctx)
         return seconds
 
 
@@ -81,11 +81,9 @@ def _print_gc(report, as_json: bool, always: bool) -> None:
 @click.option("--allow-empty", is_flag=True, help="Allow the rules to drop every step.")
 @click.option("-v", "--verbose", is_flag=True, help="Print what was freed even when not on a terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@store_option
 @click.pass_context
 def gc(
     ctx,
-    store_uri,
     keep_last,
     keep_every,
     keep_steps,
@@ -126,9 +124,8 @@ def gc(
 @click.option("--step", type=int, required=True, help="The step to drop.")
 @click.option("--dry-run", is_flag=True, help="Change nothing; say what would happen.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@store_option
 @click.pass_context
-def delete(ctx, store_uri, step, dry_run, as_json) -> None:
+def delete(ctx, step, dry_run, as_json) -> None:
     """Drop one step's record. Its blobs are deleted by the next gc, unless other steps need them.
 
     Example: ckptstore --store runs/store delete --step 400

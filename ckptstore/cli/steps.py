@@ -8,7 +8,7 @@ from dataclasses import asdict
 import click
 
 from ..errors import CorruptError
-from .base import cli, human, open_store, store_option
+from .base import cli, human, open_store
 
 
 def _update(value: float | None) -> str:
@@ -18,9 +18,8 @@ def _update(value: float | None) -> str:
 @cli.command()
 @click.option("--step", type=int, required=True, help="The committed step to describe.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per layer.")
-@store_option
 @click.pass_context
-def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) -> None:
+def show(ctx: click.Context, step: int, as_json: bool) -> None:
     """List the layers of step STEP: the step each comes from, its bytes, its update.
 
     The update is the relative change of the layer's fp32 master weights since the step
@@ -52,9 +51,8 @@ def show(ctx: click.Context, store_uri: str | None, step: int, as_json: bool) ->
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per step.")
-@store_option
 @click.pass_context
-def log(ctx: click.Context, store_uri: str | None, as_json: bool) -> None:
+def log(ctx: click.Context, as_json: bool) -> None:
     """List committed steps: when, how many layers each saved, bytes it added, whether it
     resumes ("weights": gc kept its weights only), metrics. A step whose manifest cannot be
     read is named after the others (exit 4: run `ckptstore verify`). With a local tier

@@ -18,7 +18,7 @@ from .base import cli, human, key_of
     type=float,
     default=None,
     metavar="SECONDS",
-    help="Keep trying this long while the store cannot be reached (default: try once).",
+    help="Keep trying this long while the store cannot be reached (default: try once; at most a week).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per uploaded step.")
 @click.pass_context

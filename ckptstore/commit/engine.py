@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .. import auxfiles, strategies
-from ..arguments import check_layers, check_step
+from ..arguments import check_commit, check_layers, check_step
 from ..catalog import Catalog
 from ..objects import ObjectStore
 from .background import CommitHandle, CommitQueue
@@ -50,10 +50,10 @@ class EngineCommits:
         blocking: bool,
     ) -> CommitReport | CommitHandle:
         """Commit ``engine``'s state as ``step`` (``Store.commit``'s contract)."""
-        from ..deepspeed.extract import check_is_engine, extract
+        from ..deepspeed.extract import extract
 
         step = check_step(step)
-        check_is_engine(engine)
+        check_commit(engine, client_state)
         options = dict(layers=check_layers(layers), files=files, metrics=metrics)
         take_snapshot = functools.partial(extract, engine, client_state)
         if self.tier is not None:

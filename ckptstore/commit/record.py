@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 
 from ..catalog import Catalog
-from ..errors import BadInputError, ConflictError, StorageError
+from ..errors import BadInputError, ConflictError, StorageError, clip
 from ..format import manifest
 from ..format.layout import manifest_name
 from ..model import FileRow, LayerPacks, StepRecord, Updates, layers_by_source
@@ -35,7 +35,10 @@ def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float | None
             raise BadInputError(f"metrics=: {name!r} is not a metric name (a non-empty string)")
         if isinstance(value, bool) or not isinstance(value, int | float) and not hasattr(value, "__float__"):
             raise BadInputError(f"metrics=: {name} is {value!r}, not a number")
-        value = float(value)
+        try:
+            value = float(value)
+        except (TypeError, ValueError, OverflowError):  # an int past float's range, a bad __float__
+            raise BadInputError(f"metrics=: {name} is {clip(repr(value), 40)}, not a number") from None
         checked[name] = value if math.isfinite(value) else None
     return dict(sorted(checked.items()))
 

@@ -25,7 +25,7 @@ from .. import auxfiles, knobs
 from ..catalog import Catalog
 from ..dcp import dcp_description
 from ..dcp.weights import DcpStepWeights
-from ..errors import BadInputError, require_int
+from ..errors import BadInputError, clip, require_int
 from ..materialize import compose, outputs
 from ..model import BUFFER
 from ..objects import ObjectStore
@@ -78,6 +78,7 @@ def export(
 
     Contract as ``Store.export``; nothing appears at ``out`` unless everything was written.
     """
+    max_shard_size = shard_size(max_shard_size)
     description = (
         None if spec is not None else dcp_description(catalog, require_int(step, "a step", minimum=0))
     )
@@ -137,22 +138,40 @@ def export(
     )  # fmt: skip
 
 
-def _split(layout: dict, max_shard_size: int | str):
+# huggingface_hub's units (``parse_size_to_int``): decimal, as save_pretrained reads them.
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def shard_size(size: object) -> int:
+    """``max_shard_size`` in bytes: an integer, or a size ``save_pretrained`` takes (``"2GB"``,
+    ``"500MB"``: decimal KB, MB, GB, TB), from 1 byte to 1 PiB; BadInputError otherwise (a
+    negative size would write a file per tensor, an infinite one overflow)."""
+    wrong = BadInputError(
+        f"max shard size {clip(repr(size), 40)} is not a size like 2GB or 500MB (1 byte to 1 PiB)"
+    )
+    if isinstance(size, str):
+        text = size.strip()
+        unit = _SIZE_UNITS.get(text[-2:].upper())
+        try:
+            number = float(text[:-2]) if unit else math.nan
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or not 0 < number * unit <= knobs.MAX_BYTES:
+            raise wrong
+        size = int(number * unit)
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= knobs.MAX_BYTES:
+        raise wrong
+    return size
+
+
+def _split(layout: dict, max_shard_size: int):
     """Which tensors go in which file, as ``save_pretrained`` splits them."""
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int | str):
-        raise BadInputError(f"max shard size {max_shard_size!r} is not a size like 2GB or 500MB")
-    try:
-        split = split_state_dict_into_shards_factory(
-            layout,
-            get_storage_size=lambda spec: tensor_bytes(*spec),
-            filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
-            max_shard_size=max_shard_size,
-        )
-    except ValueError:
-        split = None
-    if split is None or (isinstance(max_shard_size, int) and max_shard_size <= 0):
-        raise BadInputError(f"max shard size {max_shard_size!r} is not a size like 2GB or 500MB")
-    return split
+    return split_state_dict_into_shards_factory(
+        layout,
+        get_storage_size=lambda spec: tensor_bytes(*spec),
+        filename_pattern=WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors"),
+        max_shard_size=max_shard_size,
+    )
 
 
 def _belongs_in_model_folder(path: str) -> bool:

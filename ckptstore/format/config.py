@@ -9,13 +9,14 @@ version is not a version at all. The catalog's schema follows the same rule by i
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from ..errors import BadInputError, CorruptError, NotFoundError, UnsupportedError
 from ..hashing import ContentHash
 from ..keys import HOW_TO_PASS
 from ..objects import ObjectStore
-from .layout import BLOBS, CONFIG, FILES, MANIFESTS, PACKS
+from .layout import BLOBS, CONFIG, FILES, MANIFESTS, PACKS, TIER_REMOTE
 
 # ``tier/``: a local tier's own records (``ckptstore.tier``).
 NAMESPACES = (BLOBS, PACKS, FILES, MANIFESTS, "tier/")
@@ -42,23 +43,26 @@ def check_version(what: str, version: Any, supported: int) -> int:
 
 
 def ensure_config(objects: ObjectStore, *, create: bool = True) -> dict:
-    """The store's config, written first if the store has none; refuses a newer format, and a
-    store whose key ``objects.content_hash`` does not match (``check_key``).
+    """The store's config; refuses a newer format, and a store whose key
+    ``objects.content_hash`` does not match (``check_key``).
 
-    A store is created authenticated when ``objects`` carries a key (format 3, recording the
-    key's check value, never the key).
-
-    Without a config, ``objects`` is a store only if it holds nothing but what a store holds
-    (a store whose config was lost: the config is written again); else, when empty, it becomes
-    one only with ``create`` (NotFoundError otherwise), and holding anything else it is no store
-    (BadInputError naming it): ``log`` or ``gc`` pointed at the wrong folder must not claim it.
+    Only an empty location gets a config written, and only with ``create`` (the store is
+    created then: authenticated, format 3 recording the key's check value and never the key,
+    when ``objects`` carries a key); empty without ``create`` it is NotFoundError. A location
+    that holds store objects but no config is a store that lost it: CorruptError naming the fix,
+    and nothing is written, since a config written anew would describe a store ckptstore cannot
+    know (a keyed store's config recorded the key's check value: an unkeyed one written over
+    it would lock the key out, and let whoever writes the store in). Holding anything else it
+    is no store (BadInputError naming it): ``log`` or ``gc`` pointed at the wrong folder must
+    not claim it.
     """
     try:
         data = objects.get(CONFIG)
     except NotFoundError:
-        if not _holds_a_store(objects):
-            if not create:
-                raise NotFoundError(f"no store at {objects.uri} (it has no {CONFIG})") from None
+        if _holds_a_store(objects):
+            return _config_lost(objects)
+        if not create:
+            raise NotFoundError(f"no store at {objects.uri} (it has no {CONFIG})") from None
         config = new_config(objects.content_hash)
         if not objects.put_if_absent(CONFIG, json.dumps(config, sort_keys=True).encode()):
             return ensure_config(objects)  # another process created the store meanwhile
@@ -72,6 +76,20 @@ def ensure_config(objects: ObjectStore, *, create: bool = True) -> dict:
     check_version(f"the store {objects.uri}", config.get("format_version"), AUTHENTICATED_FORMAT_VERSION)
     check_key(objects.uri, config, objects.content_hash)
     return config
+
+
+def _config_lost(objects: ObjectStore) -> dict:
+    """The config of the store ``objects`` that was found without one: there after all (an
+    ``upgrade`` replaces it by a delete and a create; a moment later it is back), else
+    CorruptError naming the fix."""
+    time.sleep(0.2)
+    if objects.exists(CONFIG):
+        return ensure_config(objects, create=False)
+    raise CorruptError(
+        f"the store {objects.uri} holds objects but no {CONFIG} (deleted?); nothing was changed: "
+        f"put its {CONFIG} back (from a backup or another copy of the store). ckptstore does not "
+        "write a new one over a store's objects, which could lock a store created with a key out"
+    )
 
 
 def new_config(content_hash: ContentHash) -> dict:
@@ -108,9 +126,12 @@ _STORE_FILES = {CONFIG, "catalog.db", "catalog.db-wal", "catalog.db-shm", "catal
 
 def _holds_a_store(objects: ObjectStore) -> bool:
     """Whether ``objects`` holds store objects (True) or nothing (False); BadInputError naming
-    the first name a store never holds. In-flight ``.tmp`` writes are never listed."""
+    the first name a store never holds. In-flight ``.tmp`` writes are never listed, and neither
+    counts a local tier's pairing record, which it writes before its config."""
     found = False
     for info in objects.list():
+        if info.name == TIER_REMOTE:
+            continue
         if info.name not in _STORE_FILES and not info.name.startswith(NAMESPACES):
             raise BadInputError(
                 f"{objects.uri} is not a ckptstore store: it has no {CONFIG} and holds {info.name}"
@@ -126,7 +147,9 @@ def upgrade(objects: ObjectStore) -> None:
     config = ensure_config(objects)
     if config.get("format_version", STORE_FORMAT_VERSION) >= STORE_FORMAT_VERSION:
         return
-    # Not atomic, and needs not be: a store without a config gets the current one when opened.
+    # Not atomic (an object store has no replace that is): an open in between finds no config
+    # and looks again a moment later (``_config_lost``). A process killed in between leaves
+    # the store reported as missing its config; its contents are then those written here.
     objects.delete(CONFIG)
     objects.put_if_absent(
         CONFIG, json.dumps({**config, "format_version": STORE_FORMAT_VERSION}, sort_keys=True).encode()

@@ -31,6 +31,8 @@ BLOBS = "blobs/"
 PACKS = "packs/"
 FILES = "files/"
 MANIFESTS = "manifests/"
+# A local tier's record of the store it fronts (``tier.pairing``), written before its config.
+TIER_REMOTE = "tier/remote.json"
 
 _KEY = re.compile(r"[0-9a-f]{32}")
 _STEP = re.compile(r"[0-9]{12,}")

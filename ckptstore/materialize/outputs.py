@@ -36,7 +36,12 @@ def check_out(out: str | os.PathLike | None, *, force: bool, store_root: Path | 
     ConflictError for an existing non-empty ``out`` without ``force``, or with ``force`` when
     ``out`` lacks ``MARKER`` (materialize or export did not write it).
     """
-    if out is None or not os.fspath(out):
+    if out is None or not isinstance(out, str | os.PathLike) or not isinstance(os.fspath(out), str):
+        shown = "none" if out is None else type(out).__name__
+        raise BadInputError(
+            f"{verb} needs an output directory (a path: a string or os.PathLike), not {shown}"
+        )
+    if not os.fspath(out):
         raise BadInputError(f"{verb} needs an output directory (an empty path names none)")
     path = Path(out).absolute()
     _check_folder_path(path, verb)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 from urllib.parse import urlparse
@@ -13,7 +12,7 @@ import botocore.session
 from botocore.config import Config
 
 from .. import knobs
-from ..errors import BadInputError
+from ..errors import BadInputError, clip, redact
 from . import check_name
 
 _LOADER = botocore.loaders.create_loader()
@@ -35,9 +34,10 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def check_timeout(timeout: Any) -> float:
-    """``timeout`` (seconds) if it is a finite positive number; BadInputError otherwise."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-        raise BadInputError(f"s3_timeout must be a positive number of seconds, not {timeout!r}")
+    """``timeout`` (seconds) if it is a number above 0 and at most an hour (as
+    ``CKPTSTORE_S3_TIMEOUT``); BadInputError otherwise."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
+        raise BadInputError(f"s3_timeout must be a number of seconds above 0, at most 3600, not {timeout!r}")
     return float(timeout)
 
 
@@ -62,6 +62,16 @@ def new_client(endpoint_url: str | None, timeout: float):
     # sharing one loader: parsing the S3 service model costs 0.25 s per client otherwise.
     session = botocore.session.get_session()
     session.register_component("data_loader", _LOADER)
-    return boto3.session.Session(botocore_session=session).client(
-        "s3", endpoint_url=endpoint_url, config=config
-    )
+    if endpoint_url is not None and not isinstance(endpoint_url, str):
+        raise BadInputError(f"endpoint_url must be a URL string, not {type(endpoint_url).__name__}")
+    try:
+        return boto3.session.Session(botocore_session=session).client(
+            "s3", endpoint_url=endpoint_url, config=config
+        )
+    except ValueError as exc:  # botocore's "Invalid endpoint: ...", from endpoint_url= or AWS_ENDPOINT_URL
+        where = (
+            "endpoint_url" if endpoint_url is not None else "the S3 endpoint (AWS_ENDPOINT_URL or AWS config)"
+        )
+        raise BadInputError(
+            f"{where} is not a URL like http://host:port: {clip(redact(str(exc)), 120)}"
+        ) from None

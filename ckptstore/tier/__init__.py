@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import knobs
+from ..arguments import check_seconds
 from ..errors import CkptStoreError, NotFoundError, StorageError
 from ..format.config import ensure_config
 from ..objects import ObjectStore
@@ -183,6 +184,7 @@ class Tier:
         another commit of that step), NotFoundError (an object it needs is in neither tier, or
         other ranks' objects never arrived). What is not uploaded stays in the local tier.
         """
+        timeout = check_seconds(timeout, "the drain's timeout", maximum=7 * knobs.DAY)
         start = time.monotonic()
         report = DrainReport()
         wait = _FIRST_WAIT

@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 
 from ..errors import BadInputError, CorruptError, NotFoundError
+from ..format.layout import TIER_REMOTE as REMOTE
 from ..objects import ObjectStore
-
-REMOTE = "tier/remote.json"
 
 
 def pair(local: ObjectStore, remote_uri: str, endpoint: str | None) -> None:

@@ -1,0 +1,5 @@
+"""``python -m ckptstore``: the ``ckptstore`` command line."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,134 @@
+"""Every ``CKPTSTORE_*`` setting is checked when the CLI starts or a store opens (RELIABILITY.md
+scenario 25): a bad value is exit 2 / BadInputError naming it, before any work; a name that is
+no setting is one warning line naming the close one. No engine is needed: the checks come first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore import knobs
+from ckptstore.errors import BadInputError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A value each kind of setting refuses.
+JUNK = {
+    "integer": "abc",
+    "number": "zz",
+    "flag": "maybe",
+    "choice": "sometimes",
+    "store": "ftp://host/run",
+    "directory": "{file}/below-a-file",
+    "key file": "{tmp}/no-such.key",
+}
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> Path:
+    """An empty store, opened once so that it exists, with no setting in the environment."""
+    for name in list(knobs.SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "store"
+    ckptstore.open(path).close()
+    return path
+
+
+def _junk(kind: str, tmp_path: Path) -> str:
+    (tmp_path / "a-file").write_text("")
+    return JUNK[kind].format(file=tmp_path / "a-file", tmp=tmp_path)
+
+
+def test_every_setting_named_in_code_tests_tools_and_readme_is_registered():
+    named = set()
+    for path in [ROOT / "README.md", *ROOT.glob("ckptstore/**/*.py"), *ROOT.glob("t*/**/*.py")]:
+        named |= set(re.findall(r"\bCKPTSTORE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    assert named - set(knobs.SETTINGS) == set()
+    assert {"CKPTSTORE_FUZZ_EXAMPLES", "CKPTSTORE_TEST_HARD_EXIT"} <= named  # read by tests only
+
+
+def test_every_setting_has_a_default_that_passes_its_own_check(store):
+    knobs.check_all()
+    assert {name: entry.read() for name, entry in knobs.SETTINGS.items()}["CKPTSTORE_IO_THREADS"] >= 1
+
+
+@pytest.mark.parametrize("name", sorted(knobs.SETTINGS))
+def test_a_bad_value_of_any_setting_exits_2_naming_it_before_any_work(
+    run, store, tmp_path, monkeypatch, name
+):
+    junk = _junk(knobs.SETTINGS[name].kind, tmp_path)
+    out = tmp_path / "out"
+    if name == "CKPTSTORE_STORE":
+        result = run("materialize", "--step", 1, out, env_store=junk)
+    else:
+        monkeypatch.setenv(name, junk)
+        result = run("materialize", "--step", 1, out, env_store=store)
+    assert result.returncode == 2, result
+    assert name in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+    with pytest.raises(BadInputError, match=name):
+        ckptstore.open(store)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("CKPTSTORE_IO_THREADS", "abc"),  # issue 37's: `ckptstore log` took it
+        ("CKPTSTORE_READAHEAD_BYTES", "zz"),  # and `materialize` ignored it
+        ("CKPTSTORE_S3_MAX_ATTEMPTS", str(10**30)),
+        ("CKPTSTORE_ZSTD_LEVEL", str(10**30)),  # an OverflowError at commit before
+        ("CKPTSTORE_ZSTD_LEVEL", "23"),
+        ("CKPTSTORE_BACKGROUND_NICE", "abc"),
+        ("CKPTSTORE_BACKGROUND_NICE", "20"),
+        ("CKPTSTORE_GC_GRACE", "1e30"),
+        ("CKPTSTORE_GC_GRACE", "nan"),
+        ("CKPTSTORE_IO_THREADS", "1000000"),
+        ("CKPTSTORE_S3_TIMEOUT", "0"),
+        ("CKPTSTORE_LOCAL_POLL_SECONDS", "0"),
+        ("CKPTSTORE_MIN_COMPRESS_RATIO", "-0.5"),
+    ],
+)
+def test_out_of_range_settings_are_refused_naming_their_range(run, store, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    result = run("--store", store, "log")
+    assert result.returncode == 2
+    assert re.search(rf"^error: {name} must be an? (integer|number) (from|above) ", result.stderr)
+
+
+def test_zstd_compresses_at_both_ends_of_its_level_range(monkeypatch):
+    from ckptstore.format import zstd
+
+    data = bytes(range(256)) * 64
+    for level in (knobs.ZSTD_MIN_LEVEL, knobs.ZSTD_MAX_LEVEL):
+        monkeypatch.setenv("CKPTSTORE_ZSTD_LEVEL", str(level))
+        for planes in (False, True):
+            frame = zstd.compressor(planes).compress(data)
+            assert zstd.decompress_frame(frame, len(data)) == data
+
+
+def test_an_empty_setting_is_its_default(store, monkeypatch):
+    monkeypatch.setenv("CKPTSTORE_IO_THREADS", "")
+    monkeypatch.setenv("CKPTSTORE_LOCAL", "")
+    assert knobs.io_threads() >= 8 and knobs.local_tier() == ""
+    ckptstore.open(store).close()
+
+
+def test_an_unknown_setting_is_one_warning_line_naming_the_close_one(run, store, monkeypatch, caplog):
+    monkeypatch.setattr(knobs, "_warned", set())
+    misspelt = "CKPTSTORE_" + "LOCALKEEP"
+    monkeypatch.setenv(misspelt, "3")
+    unlike = "CKPTSTORE_" + "NOTHING_LIKE_IT"
+    monkeypatch.setenv(unlike, "1")
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert run("--store", store, "log").returncode == 0
+        ckptstore.open(store).close()  # warned once per process, not per open
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == [
+        f"ckptstore: {misspelt} is not a ckptstore setting; it is ignored (did you mean CKPTSTORE_LOCAL_KEEP?)",
+        f"ckptstore: {unlike} is not a ckptstore setting; it is ignored",
+    ]
