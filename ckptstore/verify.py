@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from . import auxfiles, knobs
 from .catalog import Catalog
 from .catalog.sync import read_authentic_manifest
+from .dcp import dcp_description
+from .dcp.directory import refused_bytes_items
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .format import layout
 from .materialize.fetch import fetch_blob, fetch_pack
@@ -112,7 +114,9 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     """Check every pack, blob and auxiliary file the committed steps reference, and the catalog.
 
     Contract as ``Store.verify``. Listing each namespace once, it checks that every referenced
-    pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes each.
+    pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes
+    each, and reports each auxiliary file and DCP bytes item materialize would refuse as a
+    pickle that needs more than ``torch.load(weights_only=True)``.
     """
     report = VerifyReport(deep=deep)
     manifests = layout.list_manifests(objects)
@@ -167,6 +171,8 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     report.orphans = sorted([*blobs.unreferenced(users), *packs.unreferenced(users)])
     files = layout.list_files(objects)
     _verify_files(objects, catalog, files, report)
+    if deep:
+        _verify_bytes_items(objects, catalog, report)
     report.stray_objects = sorted(manifests.stray + blobs.stray + packs.stray + files.stray)
     _count_temporary(objects, report)
     return report
@@ -195,13 +201,35 @@ def _verify_files(
             problem = "is missing"
         elif stored.size != size:
             problem = f"has {stored.size} bytes, the catalog recorded {size}"
-        elif (
-            report.deep and auxfiles.file_key(objects.get(layout.file_name(key)), objects.content_hash) != key
-        ):
-            problem = "is corrupt (its content does not hash to its key)"
+        elif report.deep:
+            data = objects.get(layout.file_name(key))
+            if auxfiles.file_key(data, objects.content_hash) != key:
+                problem = "is corrupt (its content does not hash to its key)"
+            elif not (problem := auxfiles.pickle_problem(data)):  # what materialize refuses
+                continue
         else:
             continue
         report.file_problems.append(FileProblem(key, problem, users))
+
+
+def _verify_bytes_items(objects: ObjectStore, catalog: Catalog, report: VerifyReport) -> None:
+    """Deep: every bytes item of a DCP step loads with ``torch.load(weights_only=True)``, as
+    materialize requires (DCP's reader unpickles it); one that does not is a problem of its
+    pack, needed by each step that reads it. A pack that cannot be read is reported by the
+    pack check."""
+    found: dict[tuple[str, str], BlobProblem] = {}
+    for step in catalog.steps():
+        try:
+            description = dcp_description(catalog, step)
+            refused = [] if description is None else refused_bytes_items(objects, catalog, step, description)
+        except (CorruptError, NotFoundError, UnsupportedError):
+            continue
+        for fqn, pack, layer, problem in refused:
+            text = f"holds the DCP bytes item {fqn}, which {problem.removeprefix('holds ')}"
+            found.setdefault((pack, fqn), BlobProblem(pack, text, [])).users.append(
+                (step, layer, fqn, "pack")
+            )
+    report.problems.extend(found.values())
 
 
 def _verify_manifests(
