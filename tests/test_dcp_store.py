@@ -362,20 +362,23 @@ def save_hostile_dcp_step(store, marker, step: int = 1) -> None:
     dcp.save(crafted, storage_writer=StoreWriter(store, step=step))
 
 
-@pytest.mark.parametrize("keyed", [False, True], ids=["without-key", "with-key"])
-def test_materialize_refuses_a_dcp_bytes_item_that_needs_more_than_weights_only(tmp_path, run, keyed):
+@pytest.mark.parametrize("where, keyed", [("local", False), ("s3", True)], ids=["local", "s3-with-key"])
+def test_materialize_refuses_a_dcp_bytes_item_that_needs_more_than_weights_only(
+    tmp_path, run, request, where, keyed
+):
     marker = tmp_path / "ran"
-    store = ckptstore.open(tmp_path / "store", key=bytes(range(32)) if keyed else None)
+    uri = str(tmp_path / "store") if where == "local" else request.getfixturevalue("s3").uri()
+    store = ckptstore.open(uri, key=bytes(range(32)) if keyed else None)
     save_hostile_dcp_step(store, marker)
     refusal = "step 1's DCP bytes item train.step holds a pickle that needs more than torch.load"
     with pytest.raises(CorruptError, match=refusal):
         store.materialize(1, tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # nothing written, not even staging
+    assert not [p.name for p in tmp_path.iterdir() if p.name not in ("store", "cache")]  # not even staging
     [problem] = store.verify().problems
     assert [(user[0], user[2]) for user in problem.users] == [(1, "train.step")]
     assert "DCP bytes item train.step" in problem.describe() and "needed by step 1" in problem.describe()
     if not keyed:  # (the CLI takes a key from a file: tests/test_cli.py)
-        refused = run("--store", store.objects.root, "materialize", "--step", 1, tmp_path / "out")
+        refused = run("--store", uri, "materialize", "--step", 1, tmp_path / "out")
         assert refused.returncode == 4 and refused.stderr.startswith(f"error: {refusal}")
 
     out = store.materialize(1, tmp_path / "out", allow_pickle=True)

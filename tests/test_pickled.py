@@ -64,6 +64,7 @@ def hostile_files(marker) -> dict[str, bytes]:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's, loading the protocol 5 one
 def test_the_content_rule_lets_out_data_and_plain_pickles_and_refuses_pickles_that_reach_code(tmp_path):
     marker = tmp_path / "ran"
     for name, data in benign_files().items():

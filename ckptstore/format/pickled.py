@@ -22,7 +22,7 @@ without running them, before they go out:
 "Allowed" is torch's ``weights_only`` allowlist plus numpy arrays of numbers (``_reconstruct``,
 ``ndarray``, ``dtype`` and its classes, ``_codecs.encode``): what the Trainer and accelerate
 allow when they load their own RNG state files (``rng_state.pth``, ``random_states_0.pkl``).
-The walk runs at the regex engine's speed and allocates nothing; a pickle to be loaded holds
+The walk runs at the regex engine's speed and builds nothing; a pickle to be loaded holds
 at most ``MAX_PICKLE_OPCODES`` opcodes, so what the weights-only unpickler builds stays near
 100 MB, whatever the size of the file (``CKPTSTORE_MAX_FILE_BYTES``, a pack's size).
 """
@@ -35,7 +35,6 @@ import pickletools
 import re
 import tarfile
 import threading
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,8 +82,8 @@ def torch_refusal(data: bytes) -> str | None:
     if data[:4] == ZIP_MAGIC:
         pickle_bytes = _record(data, "data.pkl")
         opcodes = _walk(pickle_bytes, 0, first=False).opcodes if pickle_bytes else 0
-    else:
-        opcodes = sum(walked.opcodes for walked in _pickles(data))
+    else:  # a legacy torch file: five pickles, then raw storage bytes
+        opcodes = sum(walked.opcodes for walked in _pickles(data)[:5])
     return _too_many(opcodes) or _load_refusal(data)
 
 
@@ -92,8 +91,7 @@ def _load_refusal(data: bytes, start: int | None = None) -> str | None:
     """Why ``torch.load(weights_only=True)`` of ``data`` to the meta device (or, from ``start``,
     its weights-only unpickler on one pickle) fails, with the allowlist above, or None."""
     source = io.BytesIO(data)
-    with _ALLOWLIST_LOCK, torch.serialization.safe_globals(_numpy_arrays()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "protocol 4 detected": the refusal says it better
+    with _ALLOWLIST_LOCK, torch.serialization.safe_globals(_numpy_arrays()):
         try:
             if start is None:
                 torch.load(source, weights_only=True, map_location="meta")
