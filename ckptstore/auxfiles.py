@@ -9,7 +9,9 @@ Whoever can write the store can write those rows (the catalog's ``files`` table,
 so one rule (``refusal``) decides where a file may land, at commit, on import from a manifest
 and again on the way out (materialize, export): a canonical relative path that can replace
 nothing DeepSpeed writes or reads, so a store never gets a file where DeepSpeed unpickles or a
-script runs.
+script runs. What a file holds is judged on the way out too, by content whatever its name
+(``pickle_problem``): a directory goes to loaders (accelerate's ``load_state``, ``torch.load``)
+that unpickle any file they are pointed at with ``weights_only=False``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 from . import knobs
 from .errors import BadInputError, CorruptError, NotFoundError, clip
+from .format import pickled
 from .format.layout import file_name
 from .hashing import PLAIN, ContentHash
 from .model import FileRow
@@ -156,11 +159,23 @@ def check_record(record) -> None:
     check_rows(record.files, record.step)
 
 
-def copy_out(objects: ObjectStore, rows: Iterable[FileRow], directory: Path, step: int) -> None:
+def pickle_problem(data: bytes) -> str | None:
+    """What is wrong with a file holding ``data`` on its way out, or None: a pickle or torch
+    archive that needs more than ``torch.load(weights_only=True)`` (``format.pickled``)."""
+    reason = pickled.refusal(data)
+    return reason and f"holds a pickle that needs more than torch.load(weights_only=True) ({reason})"
+
+
+def copy_out(
+    objects: ObjectStore, rows: Iterable[FileRow], directory: Path, step: int, *, allow_pickle: bool = False
+) -> None:
     """Write the recorded files of ``step`` into ``directory``, each verified against its key.
 
-    Raises CorruptError (before writing anything) for a path ``check_rows`` refuses; a file is
-    created, never replaced, so not even a checkpoint file written before it can be overwritten."""
+    Raises CorruptError (before writing anything) for a path ``check_rows`` refuses, and for a
+    file with a ``pickle_problem`` unless ``allow_pickle`` (whoever can write the store could
+    make a loader of the directory run their code; the caller removes what was written). A
+    file is created, never replaced, so not even a checkpoint file written before it can be
+    overwritten."""
     rows = list(rows)
     check_rows(rows, step)
     for row in rows:
@@ -170,6 +185,12 @@ def copy_out(objects: ObjectStore, rows: Iterable[FileRow], directory: Path, ste
             raise NotFoundError(f"auxiliary file {row.path} (stored as {row.key}) is missing") from None
         if file_key(data, objects.content_hash) != row.key:
             raise CorruptError(f"auxiliary file {row.path} (stored as {row.key}) is corrupt")
+        problem = None if allow_pickle else pickle_problem(data)
+        if problem:
+            raise CorruptError(
+                f"step {step}'s auxiliary file {row.path} {problem}: a loader could run code from it "
+                "(if everyone who can write the store is trusted: materialize --allow-pickle)"
+            )
         target = directory / row.path
         target.parent.mkdir(parents=True, exist_ok=True)
         try:

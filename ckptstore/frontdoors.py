@@ -36,18 +36,23 @@ def materialize(
     world_size: int | None,
     force: bool,
     tag: str | None,
+    allow_pickle: bool = False,
 ) -> Path:
     """``Store.materialize``: the directory of ``step`` (or of a compose ``spec``) at ``out``,
-    in the layout of the door that wrote the step; raises as ``Store.materialize`` says."""
-    description = None if spec is not None else dcp_description(catalog, check_step(step))
+    in the layout of the door that wrote the step; raises as ``Store.materialize`` says
+    (``allow_pickle`` as it documents)."""
+    step = step if spec is not None else check_step(step)
+    description = None if spec is not None else dcp_description(catalog, step)
     with outputs.writing(out, "materialize"):
         if description is not None:
             return materialize_dcp(
-                objects, catalog, step, description, out, force=force, world_size=world_size, tag=tag
-            )
+                objects, catalog, step, description, out,
+                force=force, world_size=world_size, tag=tag, allow_pickle=allow_pickle,
+            )  # fmt: skip
         return materialize_engine_step(
-            objects, catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
-        )
+            objects, catalog, step, out,
+            spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle,
+        )  # fmt: skip
 
 
 def state_dict(
@@ -58,7 +63,8 @@ def state_dict(
     spec: compose.Spec | None,
 ) -> dict[str, torch.Tensor]:
     """``Store.state_dict``: the full weights of ``step`` (or of a compose ``spec``) by name."""
-    description = None if spec is not None else dcp_description(catalog, check_step(step))
+    step = step if spec is not None else check_step(step)
+    description = None if spec is not None else dcp_description(catalog, step)
     if description is not None:
         return dcp_state_dict(objects, catalog, step, description, parse_dtype(dtype))
     return engine_state_dict(objects, catalog, step, dtype, spec)

@@ -171,6 +171,7 @@ class Store(TierVerbs):
         world_size: int | None = None,
         force: bool = False,
         tag: str | None = None,
+        allow_pickle: bool = False,
     ) -> Path:
         """Write a DeepSpeed checkpoint directory for ``step`` at ``out`` and return its path.
 
@@ -195,10 +196,16 @@ class Store(TierVerbs):
         A step saved through DCP (``integrations.dcp.StoreWriter``) becomes a standard DCP
         checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
         which loads at any world size: ``world_size`` and ``tag`` do not apply to it.
+
+        An auxiliary file (any name) or DCP bytes item holding a pickle that needs more than
+        ``torch.load(weights_only=True)`` (``format.pickled``) is a CorruptError naming step and
+        file or item, nothing written; ``allow_pickle=True`` writes it, and loaders of ``out``
+        (accelerate's ``load_state``, DCP) run any code in it: only for a trusted store.
         """
         return frontdoors.materialize(
-            self.objects, self.catalog, step, out, spec=spec, world_size=world_size, force=force, tag=tag
-        )
+            self.objects, self.catalog, step, out,
+            spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle,
+        )  # fmt: skip
 
     @while_open
     def export(

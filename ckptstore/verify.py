@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from . import auxfiles, knobs
 from .catalog import Catalog, sync
 from .catalog.sync import read_authentic_manifest
+from .dcp import dcp_description
+from .dcp.directory import refused_bytes_items
 from .errors import CorruptError, NotFoundError, UnsupportedError
 from .format import layout
 from .materialize.fetch import fetch_blob, fetch_pack
@@ -127,12 +129,14 @@ def verify(
     """Check every pack, blob and auxiliary file the committed steps reference, and the catalog.
 
     Contract as ``Store.verify``. Listing each namespace once, it checks that every referenced
-    pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes each.
-    What it finds is checked again at the end (``_recheck``), so a gc running beside it makes
-    no problem. ``between(phase)`` is called between its phases ("listed": the manifests
-    listed; "manifest": one manifest read, before it is compared with the catalog; "indexed":
-    the objects listed and the catalog's references taken, before they are checked;
-    "checked"): tests run a gc there.
+    pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes
+    each, and reports each auxiliary file and DCP bytes item materialize would refuse as a
+    pickle that needs more than ``torch.load(weights_only=True)``. What it finds is checked
+    again at the end (``_recheck``), so a gc running beside it makes no problem.
+    ``between(phase)`` is called between its phases ("listed": the manifests listed;
+    "manifest": one manifest read, before it is compared with the catalog; "indexed": the
+    objects listed and the catalog's references taken, before they are checked; "checked"):
+    tests run a gc there.
     """
     pause = between or (lambda phase: None)
     report = VerifyReport(deep=deep)
@@ -189,6 +193,8 @@ def verify(
     pause("checked")
     if by_step or index_problems or report.problems or report.file_problems:
         _recheck(objects, catalog, manifests, report, by_step, index_problems, check)
+    if deep:  # after the re-check, which checks a pack's bytes, not what DCP would unpickle
+        _verify_bytes_items(objects, catalog, report)
     return report
 
 
@@ -311,13 +317,35 @@ def _verify_files(
             problem = "is missing"
         elif stored.size != size:
             problem = f"has {stored.size} bytes, the catalog recorded {size}"
-        elif (
-            report.deep and auxfiles.file_key(objects.get(layout.file_name(key)), objects.content_hash) != key
-        ):
-            problem = "is corrupt (its content does not hash to its key)"
+        elif report.deep:
+            data = objects.get(layout.file_name(key))
+            if auxfiles.file_key(data, objects.content_hash) != key:
+                problem = "is corrupt (its content does not hash to its key)"
+            elif not (problem := auxfiles.pickle_problem(data)):  # what materialize refuses
+                continue
         else:
             continue
         report.file_problems.append(FileProblem(key, problem, users))
+
+
+def _verify_bytes_items(objects: ObjectStore, catalog: Catalog, report: VerifyReport) -> None:
+    """Deep: every bytes item of a DCP step loads with ``torch.load(weights_only=True)``, as
+    materialize requires (DCP's reader unpickles it); one that does not is a problem of its
+    pack, needed by each step that reads it. A pack that cannot be read is reported by the
+    pack check."""
+    found: dict[tuple[str, str], BlobProblem] = {}
+    for step in catalog.steps():
+        try:
+            description = dcp_description(catalog, step)
+            refused = [] if description is None else refused_bytes_items(objects, catalog, step, description)
+        except (CorruptError, NotFoundError, UnsupportedError):
+            continue
+        for fqn, pack, layer, problem in refused:
+            text = f"holds the DCP bytes item {fqn}, which {problem.removeprefix('holds ')}"
+            found.setdefault((pack, fqn), BlobProblem(pack, text, [])).users.append(
+                (step, layer, fqn, "pack")
+            )
+    report.problems.extend(found.values())
 
 
 def _verify_manifests(

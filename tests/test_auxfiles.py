@@ -8,12 +8,17 @@ path, before anything is written, and the store's own loads never run a pickle.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pathlib
+import pickle
+import random
 import sqlite3
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import ckptstore
 from ckptstore import auxfiles
@@ -21,7 +26,11 @@ from ckptstore.deepspeed import torchfile
 from ckptstore.errors import BadInputError, CorruptError
 from ckptstore.format import manifest
 from ckptstore.format.layout import file_name, manifest_name
+from ckptstore.integrations.dcp import StoreWriter
+from tests.test_dcp_store import emptied, save_hostile_dcp_step, training_state
 from tools.engines import batches, build_engine, train
+
+KEY = bytes(range(32))
 
 # What a store writer might name a file to get it run or unpickled on a reader.
 REFUSED = [
@@ -56,6 +65,17 @@ def code_running_pickle(marker: pathlib.Path) -> bytes:
     buffer = io.BytesIO()
     torch.save({"module": RunsCode(marker)}, buffer)
     return buffer.getvalue()
+
+
+def torch_saved(obj, **options) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, **options)
+    return buffer.getvalue()
+
+
+def rng_state() -> dict:
+    """What the Trainer's ``rng_state.pth`` and accelerate's ``random_states_0.pkl`` hold."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +248,117 @@ def test_an_attached_load_that_materializes_reads_every_file_weights_only(tmp_pa
         p for p in map(str, loaded) if "/checkpoint/global_step" in p
     ]  # DeepSpeed's reads, not the writer's
     assert len(read) >= 2 and all(p.endswith(".pt") for p in read)
+
+
+def committed_with(tmp_path, engine, files: dict[str, bytes], keyed: bool = False):
+    """A store whose step 4 keeps ``files``, committed as any user would (``files=``)."""
+    source = tmp_path / "src"
+    for name, data in files.items():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes(data)
+    store = ckptstore.open(tmp_path / "store", key=KEY if keyed else None)
+    store.commit(engine, step=4, files=source)
+    return store
+
+
+# Ways to put a code-running pickle in a file: torch.save's zip, its legacy format, a bare pickle.
+HOSTILE_CONTENT = {
+    "zip": code_running_pickle,
+    "legacy": lambda marker: torch_saved({"m": RunsCode(marker)}, _use_new_zipfile_serialization=False),
+    "bare": lambda marker: pickle.dumps(RunsCode(marker), protocol=0),
+}
+
+
+@pytest.mark.parametrize(
+    "name, content, keyed",
+    [("custom_checkpoint_0.pkl", "zip", False), ("notes.txt", "bare", True), ("vocab.pt", "legacy", False)],
+)
+def test_materialize_refuses_an_aux_file_holding_a_pickle_that_needs_more_than_weights_only(
+    tmp_path, engine, name, content, keyed
+):
+    marker = tmp_path / "ran"
+    data = HOSTILE_CONTENT[content](marker)
+    store = committed_with(tmp_path, engine, {name: data, "config.json": b"{}"}, keyed)
+    refusal = f"step 4's auxiliary file {name} holds a pickle that needs more than torch.load"
+    with pytest.raises(CorruptError, match=refusal):
+        store.materialize(4, tmp_path / "out", tag="pytorch_model")
+    if name.startswith("vocab"):  # a name export copies into a model folder
+        with pytest.raises(CorruptError, match=refusal):
+            store.export(4, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]  # nothing written, not even staging
+    [problem] = store.verify().file_problems
+    assert problem.users == [(4, name, len(data))]
+    assert "holds a pickle that needs more than torch.load(weights_only=True)" in problem.describe()
+    assert store.verify(deep=False).ok  # the fast check reads no file
+
+    out = store.materialize(4, tmp_path / "out", tag="pytorch_model", allow_pickle=True)
+    assert not marker.exists()
+    with contextlib.suppress(RuntimeError):  # a bare pickle runs as torch.load reads its magic number
+        torch.load(out / name, weights_only=False)  # what accelerate's load_state does with it
+    assert marker.read_text() == "ran"  # the attack is real
+
+
+def test_the_cli_refuses_a_pickle_with_exit_4_and_writes_it_with_allow_pickle(tmp_path, engine, run):
+    marker = tmp_path / "ran"
+    store = committed_with(tmp_path, engine, {"custom_checkpoint_0.pkl": code_running_pickle(marker)})
+    uri = store.objects.uri
+    refused = run("--store", uri, "materialize", "--step", 4, "--tag", "pytorch_model", tmp_path / "out")
+    assert refused.returncode == 4, refused
+    assert refused.stderr.startswith("error: step 4's auxiliary file custom_checkpoint_0.pkl holds a pickle")
+    assert "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    checked = run("--store", uri, "verify")
+    assert checked.returncode != 0 and "custom_checkpoint_0.pkl" in checked.stdout + checked.stderr
+    written = run("--store", uri, "materialize", "--step", 4, "--allow-pickle", tmp_path / "out")
+    assert written.returncode == 0, written
+    assert (tmp_path / "out" / "custom_checkpoint_0.pkl").is_file() and not marker.exists()
+    assert "--allow-pickle" in run("materialize", "--help").stdout
+
+
+def test_data_files_and_pickles_weights_only_loads_go_out_as_they_were(tmp_path, engine):
+    from tests.test_pickled import benign_files
+
+    files = benign_files()
+    store = committed_with(tmp_path, engine, files)
+    out = store.materialize(4, tmp_path / "out")
+    assert {name: (out / name).read_bytes() for name in files} == files
+    assert store.verify().ok
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "accelerate", "dcp"])
+def test_every_loader_of_every_materialized_directory_runs_no_store_writers_code(tmp_path, engine, kind):
+    from accelerate.utils import load as accelerate_load
+
+    marker = tmp_path / "ran"
+    benign, hostile = tmp_path / "benign", tmp_path / "hostile"
+    benign.mkdir()
+    hostile.mkdir()
+    if kind == "dcp":
+        with ckptstore.open(benign / "store") as store:
+            dcp.save(training_state(), storage_writer=StoreWriter(store, step=4))
+            out = store.materialize(4, tmp_path / "out")
+        with ckptstore.open(hostile / "store") as store:
+            save_hostile_dcp_step(store, marker, step=4)
+            with pytest.raises(CorruptError):
+                store.materialize(4, tmp_path / "refused")
+        loaded = emptied(training_state())
+        dcp.load(loaded, storage_reader=dcp.FileSystemReader(out))  # DCP's own reader
+        assert loaded["train"] == training_state()["train"]
+    else:
+        tag = "pytorch_model" if kind == "accelerate" else None
+        kept = {"custom_checkpoint_0.pkl": torch_saved({"count": torch.tensor(3)}),
+                "random_states_0.pkl": torch_saved(rng_state())}  # fmt: skip
+        out = committed_with(benign, engine, kept).materialize(4, tmp_path / "out", tag=tag)
+        store = committed_with(hostile, engine, {"custom_checkpoint_0.pkl": code_running_pickle(marker)})
+        with pytest.raises(CorruptError):
+            store.materialize(4, tmp_path / "refused", tag=tag)
+
+        # accelerate's load_state: load_custom_state's call for a registered object, then its RNG states
+        custom = accelerate_load(out / "custom_checkpoint_0.pkl", map_location="cpu", weights_only=False)
+        assert custom["count"] == 3
+        assert accelerate_load(out / "random_states_0.pkl")["numpy"][0] == "MT19937"
+    pickles = [p for p in out.rglob("*") if p.suffix in (".pt", ".pkl", ".bin", ".pth")]
+    assert pickles or kind == "dcp"
+    for path in pickles:
+        torch.load(path, weights_only=False)
+    assert not (tmp_path / "refused").exists() and not marker.exists()

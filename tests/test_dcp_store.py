@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import warnings
 
 import pytest
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import ckptstore
 from ckptstore.dcp.chunks import chunk_start
 from ckptstore.dcp.naming import STATE_LAYER, name_items
-from ckptstore.errors import BadInputError, NotFoundError
+from ckptstore.errors import BadInputError, CorruptError, NotFoundError
 from ckptstore.format.layout import pack_name
 from ckptstore.integrations.dcp import StoreReader, StoreWriter
 
@@ -349,3 +350,64 @@ def test_a_bytes_item_that_would_run_code_is_refused_before_dcp_unpickles_it(sto
     with pytest.raises(CheckpointException, match="train.step is not a weights-only pickle"):
         dcp.load(emptied(training_state()), storage_reader=StoreReader(store, step=1))
     assert not marker.exists()
+
+
+def save_hostile_dcp_step(store, marker, step: int = 1) -> None:
+    """A DCP step whose bytes item ``train.step`` unpickles into a call: DCP's planner
+    torch.saves a non-tensor value as it is, so the real writer stores the writer's pickle."""
+    from tests.test_auxfiles import RunsCode
+
+    crafted = training_state()
+    crafted["train"] = {"step": RunsCode(marker), "epoch": 1}
+    dcp.save(crafted, storage_writer=StoreWriter(store, step=step))
+
+
+@pytest.mark.parametrize("where, keyed", [("local", False), ("s3", True)], ids=["local", "s3-with-key"])
+def test_materialize_refuses_a_dcp_bytes_item_that_needs_more_than_weights_only(
+    tmp_path, run, request, where, keyed
+):
+    marker = tmp_path / "ran"
+    uri = str(tmp_path / "store") if where == "local" else request.getfixturevalue("s3").uri()
+    store = ckptstore.open(uri, key=bytes(range(32)) if keyed else None)
+    save_hostile_dcp_step(store, marker)
+    refusal = "step 1's DCP bytes item train.step holds a pickle that needs more than torch.load"
+    with pytest.raises(CorruptError, match=refusal):
+        store.materialize(1, tmp_path / "out")
+    assert not [p.name for p in tmp_path.iterdir() if p.name not in ("store", "cache")]  # not even staging
+    [problem] = store.verify().problems
+    assert [(user[0], user[2]) for user in problem.users] == [(1, "train.step")]
+    assert "DCP bytes item train.step" in problem.describe() and "needed by step 1" in problem.describe()
+    if not keyed:  # (the CLI takes a key from a file: tests/test_cli.py)
+        refused = run("--store", uri, "materialize", "--step", 1, tmp_path / "out")
+        assert refused.returncode == 4 and refused.stderr.startswith(f"error: {refusal}")
+
+    out = store.materialize(1, tmp_path / "out", allow_pickle=True)
+    assert not marker.exists()
+    dcp.load(emptied(training_state()), storage_reader=dcp.FileSystemReader(out))
+    assert marker.read_text() == "ran"  # the attack is real
+
+
+def imports_of(path) -> set[str]:
+    """What unpickling ``path`` imports (a file this test wrote: loading it runs nothing foreign)."""
+    imported = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            imported.add(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    with open(path, "rb") as handle:
+        Recording(handle).load()
+    return imported
+
+
+def test_a_dcp_directorys_metadata_imports_only_what_dcps_own_save_imports(store, tmp_path):
+    """``.metadata`` is DCP's pickle of the ``Metadata`` ckptstore rebuilds from the
+    description's JSON: DCP's classes holding builtin values, never bytes from the store."""
+    state = training_state()
+    dcp.save(state, storage_writer=StoreWriter(store, step=1))
+    out = store.materialize(1, tmp_path / "out")
+    dcp.save(state, checkpoint_id=tmp_path / "dcps-own")
+    ours, theirs = imports_of(out / ".metadata"), imports_of(tmp_path / "dcps-own" / ".metadata")
+    assert ours <= theirs, ours - theirs
+    assert not [name for name in ours if not name.startswith(("torch.", "pathlib.", "builtins."))]

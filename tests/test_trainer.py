@@ -62,6 +62,7 @@ def test_a_trainer_resumes_from_a_materialized_step_as_from_its_own_checkpoint(t
     kept = {row.path for row in store.files(2)}
     assert {"trainer_state.json", "rng_state.pth", "scheduler.pt"} <= kept
     assert not any("safetensors" in path for path in kept)  # the weights the Trainer writes itself
+    assert "training_args.bin" not in kept  # a pickle materialize would refuse (tests/test_pickled.py)
 
     after_2 = {s: loss for s, loss in reference.items() if s > 2}
     out = store.materialize(2, tmp_path / "elsewhere" / "checkpoint-2")

@@ -43,6 +43,12 @@ def check_step_or_spec(step: int | None, spec: str | None) -> None:
     help="Name of the checkpoint folder in OUT, and what `latest` says (default global_step<STEP>; "
     "accelerate's save_state uses pytorch_model).",
 )  # fmt: skip
+@click.option(
+    "--allow-pickle", is_flag=True,
+    help="Also write auxiliary files and DCP bytes items holding pickles that need more than "
+    "torch.load(weights_only=True): loaders of OUT (accelerate's load_state, DCP) would run any code "
+    "in them. Only for a store no one untrusted can write; refused (exit 4) without it.",
+)  # fmt: skip
 @click.argument("out", type=click.Path(file_okay=False))
 @click.pass_context
 def materialize(
@@ -52,6 +58,7 @@ def materialize(
     world_size: int | None,
     force: bool,
     tag: str | None,
+    allow_pickle: bool,
     out: str,
 ) -> None:
     """Write step STEP (or the checkpoint a compose spec describes) as a DeepSpeed directory OUT.
@@ -59,7 +66,9 @@ def materialize(
     OUT gets ``latest``, ``global_step<STEP>/`` (or ``--tag``'s name) and the step's auxiliary
     files; resume with ``engine.load_checkpoint(OUT)``. OUT appears only once complete.
     A step saved through PyTorch DCP (StoreWriter) becomes a standard DCP directory instead,
-    which dcp.load with FileSystemReader(OUT) reads at any world size.
+    which dcp.load with FileSystemReader(OUT) reads at any world size. A file or DCP bytes
+    item holding a pickle that needs more than torch.load(weights_only=True) is refused
+    (exit 4, nothing written) unless --allow-pickle.
 
     A spec (YAML) says which step each block range and auxiliary layer comes from, and
     which step gives the non-tensor state and files:
@@ -77,7 +86,9 @@ def materialize(
     """
     check_step_or_spec(step, spec)
     with open_store(ctx) as store:
-        path = store.materialize(step, out, spec=spec, world_size=world_size, force=force, tag=tag)
+        path = store.materialize(
+            step, out, spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle
+        )
     click.echo(f"materialized {f'step {step}' if spec is None else spec} at {path}")
 
 

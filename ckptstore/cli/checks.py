@@ -20,7 +20,9 @@ from .base import EXIT_PROBLEMS, cli, human, key_of, open_store, uri_of
 def verify(ctx: click.Context, fast: bool, deep: bool, as_json: bool) -> None:
     """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
-    Every step's manifest is read and compared with the catalog. Exit code 0 when clean, 1 when
+    Every step's manifest is read and compared with the catalog. Without --fast, an auxiliary
+    file or DCP bytes item holding a pickle that needs more than torch.load(weights_only=True)
+    (which materialize refuses) is a problem too. Exit code 0 when clean, 1 when
     problems were found (a missing, unreadable or disagreeing manifest is one). Unreferenced
     packs and blobs (orphans) and stray objects (names under packs/, blobs/, files/ or
     manifests/ that ckptstore does not write) are reported but are not problems.

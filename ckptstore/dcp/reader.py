@@ -23,7 +23,8 @@ from torch.futures import Future
 
 from .. import knobs
 from ..catalog import sync
-from ..errors import BadInputError, CorruptError, NotFoundError, clip, require_int
+from ..errors import BadInputError, CorruptError, NotFoundError, require_int
+from ..format import pickled
 from ..model import PackRef
 from . import StoreParts, chunks, is_dcp_step
 from . import metadata as plain_metadata
@@ -152,15 +153,15 @@ def _check_weights_only(raw: bytes, fqn: str) -> None:
 
     DCP deserializes a bytes item with ``weights_only=False``: whoever can write the store
     could otherwise run code on every rank that loads. What DCP saves of a state dict (param
-    groups, counters, plain values) loads weights-only, so only a crafted item is refused.
+    groups, counters, plain values, numpy arrays of numbers) loads weights-only, so only a
+    crafted item is refused (``format.pickled.torch_refusal``, as materialize).
     """
-    try:
-        torch.load(io.BytesIO(raw), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any refusal of the restricted loader is a refusal here
+    reason = pickled.torch_refusal(raw)
+    if reason:
         raise CorruptError(
             f"the stored bytes item {fqn} is not a weights-only pickle (it could run code when DCP loads it): "
-            f"{clip(str(exc), 120)}"
-        ) from None
+            f"{reason}"
+        )
 
 
 def _deliver(planner: LoadPlanner, request: Any, tensor: torch.Tensor) -> None:

@@ -30,9 +30,11 @@ from ..opening import open as open_store
 from ..store import Store
 from .deepspeed import MARKER, StoreCheckpointEngine, attach, resume_from_markers
 
-# Files of checkpoint-N that are not the Trainer's state: DeepSpeed's, and model weights.
+# Files of checkpoint-N that are not the Trainer's state: DeepSpeed's, model weights, and
+# ``training_args.bin``, a pickle of the TrainingArguments object that a resume never reads and
+# materialize would refuse (it needs more than torch.load(weights_only=True): ``format.pickled``).
 _NOT_KEPT = re.compile(r"(latest|zero_to_fp32\.py|zero_to_torch\.py|.*\.safetensors|pytorch_model.*\.bin"
-                       r"|model\.safetensors\.index\.json)")  # fmt: skip
+                       r"|model\.safetensors\.index\.json|training_args\.bin)")  # fmt: skip
 _RANK_FILE = re.compile(r"rng_state_(\d+)\.pth")
 
 
@@ -93,7 +95,7 @@ def trainer_files(folder: Path) -> list[Path]:
     """The files of a Trainer checkpoint folder this rank keeps with the step: its own
     ``rng_state_<rank>.pth``, and on rank 0 the Trainer's other files (``trainer_state.json``,
     ``rng_state.pth``, ``scaler.pt``, ``config.json``, tokenizer files...), never DeepSpeed's
-    files or model weights."""
+    files, model weights or ``training_args.bin``."""
     rank = ranks.world()[0]
     kept = []
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:

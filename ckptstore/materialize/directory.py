@@ -35,6 +35,7 @@ def materialize(
     world_size: int | None = None,
     force: bool = False,
     tag: str | None = None,
+    allow_pickle: bool = False,
 ) -> Path:
     """Write ``step`` (or the step a compose ``spec`` names) as a DeepSpeed directory at ``out``.
 
@@ -61,7 +62,7 @@ def materialize(
     staging = outputs.staging_dir(out)
     try:
         write_checkpoint(description, tensors, staging, tag, world_size)
-        auxfiles.copy_out(objects, files, staging, step)
+        auxfiles.copy_out(objects, files, staging, step, allow_pickle=allow_pickle)
         outputs.mark(staging, "materialize", step)
         outputs.swap_into_place(staging, out)
     finally:
