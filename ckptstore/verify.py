@@ -15,11 +15,12 @@ from . import auxfiles, knobs
 from .catalog import Catalog
 from .catalog.sync import read_authentic_manifest
 from .errors import CorruptError, NotFoundError, UnsupportedError
-from .format import layout
+from .format import deletions, layout
 from .materialize.fetch import fetch_blob, fetch_pack
 from .model import StepRecord
 from .objects import ObjectStore
 from .progress import progress_bar
+from .quarantine import move_aside
 
 
 @dataclass
@@ -72,6 +73,13 @@ class VerifyReport:
     orphans: list[str] = field(default_factory=list)
     # objects under blobs/, files/ or manifests/ whose names are not names the store writes
     stray_objects: list[str] = field(default_factory=list)
+    # manifests and deletion records that cannot be read or are not authentic (what
+    # ``verify --quarantine`` moves aside); one a newer ckptstore wrote is not among them
+    unreadable_manifests: list[str] = field(default_factory=list)
+    # manifests of deleted steps (``format.deletions``): not steps; gc deletes them
+    buried_manifests: list[str] = field(default_factory=list)
+    # what ``verify --quarantine`` moved: name -> where it is now
+    quarantined: dict[str, str] = field(default_factory=dict)
     # unfinished writes (``.tmp``): in flight, or left by killed writers (gc removes old ones)
     temporary: int = 0
     temporary_bytes: int = 0
@@ -103,19 +111,28 @@ class VerifyReport:
             "manifest_problems": self.manifest_problems,
             "orphans": self.orphans,
             "stray_objects": self.stray_objects,
+            "unreadable_manifests": self.unreadable_manifests,
+            "buried_manifests": self.buried_manifests,
+            "quarantined": self.quarantined,
             "temporary": self.temporary,
             "temporary_bytes": self.temporary_bytes,
         }  # fmt: skip
 
 
-def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> VerifyReport:
+def verify(
+    objects: ObjectStore, catalog: Catalog, *, deep: bool = True, quarantine: bool = False
+) -> VerifyReport:
     """Check every pack, blob and auxiliary file the committed steps reference, and the catalog.
 
     Contract as ``Store.verify``. Listing each namespace once, it checks that every referenced
-    pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes each.
+    pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes
+    each. ``quarantine`` then moves the unreadable manifests aside (``quarantine.move_aside``).
     """
     report = VerifyReport(deep=deep)
-    manifests = layout.list_manifests(objects)
+    manifests = deletions.list_manifests(objects)
+    report.buried_manifests = manifests.buried
+    report.unreadable_manifests.extend(manifests.unreadable)
+    report.manifest_problems.extend(manifests.problems)
     _verify_manifests(objects, catalog, manifests, report)
     users = catalog.referenced_blobs()
     recorded = catalog.blob_sizes(users)
@@ -169,6 +186,8 @@ def verify(objects: ObjectStore, catalog: Catalog, *, deep: bool = True) -> Veri
     _verify_files(objects, catalog, files, report)
     report.stray_objects = sorted(manifests.stray + blobs.stray + packs.stray + files.stray)
     _count_temporary(objects, report)
+    if quarantine:
+        report.quarantined = move_aside(objects, report.unreadable_manifests)
     return report
 
 
@@ -210,26 +229,61 @@ def _verify_manifests(
     """Read every step's manifest (its newest generation; with a key, its newest authentic one,
     reporting each newer one that is not), layer indexes included, and compare what it
     references with the catalog's rows of the step: a catalog row a store writer added (a
-    pack, a blob, an auxiliary file) shows here."""
+    pack, a blob, an auxiliary file) shows here. A step committed again after a deletion must
+    find that deletion in the record, and no step a generation older than the catalog read.
+    The manifests that cannot be read or authenticated are named in ``unreadable_manifests``."""
+    recorded = catalog.generations()
 
-    def read(step: int) -> tuple[int, str, StepRecord | str | None, list[str]]:
+    def read(step: int) -> tuple[int, int, StepRecord | str | None, list[str]]:
         generation = manifests.generation(step)
         try:
-            record, generation, rejected = read_authentic_manifest(objects, step, generation)
-            return step, layout.manifest_name(step, generation), record, rejected
+            record, generation, rejected = read_authentic_manifest(
+                objects, step, generation, manifests.deleted.get(step, -1)
+            )
+            return step, generation, record, rejected
         except NotFoundError:
-            return step, layout.manifest_name(step, generation), None, []  # dropped by a gc since the listing
-        except (CorruptError, UnsupportedError) as exc:
-            return step, layout.manifest_name(step, generation), f"cannot be read ({exc})", []
+            return step, generation, None, []  # dropped by a gc since the listing
+        except UnsupportedError as exc:  # a newer ckptstore's: not to be moved aside
+            return step, generation, f"cannot be read ({exc})", []
+        except CorruptError as exc:
+            return step, generation, f"cannot be read ({exc})", [""]
 
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
-        for step, name, record, rejected in pool.map(read, sorted(manifests.found)):
+        for step, generation, record, rejected in pool.map(read, sorted(manifests.found)):
             report.manifests_checked += 1
+            name = layout.manifest_name(step, generation)
+            if rejected:  # every generation above the one read was passed over; all, if none was read
+                floor = generation if not isinstance(record, str) else -1
+                report.unreadable_manifests.extend(
+                    layout.manifest_name(step, g) for g in manifests.generations[step] if g > floor
+                )
+                rejected = [problem for problem in rejected if problem]
             for problem in rejected:
                 report.manifest_problems.append(f"step {step}: {problem} (ignored: the step reads {name})")
-            problem = record if isinstance(record, str) else _disagreement(catalog, step, record)
+            if isinstance(record, str):
+                problem = record
+            else:  # a rollback first: the catalog's rows then differ from the old manifest too
+                problem = _rolled_back(step, generation, record, recorded, manifests.deleted)
+                problem = problem or _disagreement(catalog, step, record)
             if problem:
                 report.manifest_problems.append(f"step {step}: manifest {name} {problem}")
+
+
+def _rolled_back(
+    step: int, generation: int, record: StepRecord | None, recorded: dict[int, int], deleted: dict[int, int]
+) -> str | None:
+    """Whether ``record`` (read at ``generation``) is older than what the store said before."""
+    if record is not None and record.supersedes is not None and deleted.get(step, -1) < record.supersedes:
+        return (
+            f"was committed after generation {record.supersedes} was deleted, but the store's deletion "
+            "record lacks that deletion (a store writer removed or replaced the record)"
+        )
+    if record is not None and recorded.get(step, -1) > generation:
+        return (
+            f"is generation {generation}, older than generation {recorded[step]} this node read before "
+            "(a store writer put an old manifest back or removed the newer one)"
+        )
+    return None
 
 
 def _disagreement(catalog: Catalog, step: int, record: StepRecord | None) -> str | None:
