@@ -147,6 +147,8 @@ def test_a_deletion_record_round_trips_and_with_a_key_binds_its_name():
         deletions.decode(tagged, PLAIN, name)
     with pytest.raises(UnsupportedError):
         deletions.decode(b"CKPD\x09" + tagged[5:], PLAIN, name)
-    bad = deletions.encode({}, name, PLAIN)[:5] + deletions.zstd.compressor().compress(b'{"deleted":[[1,true]]}')
+    bad = deletions.encode({}, name, PLAIN)[:5] + deletions.zstd.compressor().compress(
+        b'{"deleted":[[1,true]]}'
+    )
     with pytest.raises(CorruptError, match="malformed"):
         deletions.decode(bad, PLAIN, name)
