@@ -411,3 +411,27 @@ def test_a_job_restarted_during_an_outage_opens_on_its_tier_and_commits_on(
         store.drain()
         store.close()
     assert bucket_steps(s3) == [1, 2]
+
+
+def test_a_step_deleted_in_s3_and_committed_again_through_the_tier_goes_up_as_the_new_one(s3, node, engine):
+    """Rewinding a run: the tier still holds (and has marked uploaded) the old step, which the
+    store's deletion record buries; the new commit of it is a newer generation, uploaded."""
+    nvme = node("a")
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
+        for step in (1, 2):
+            train(engine, DATA[step : step + 1])
+            store.commit(engine, step)
+        store.drain()
+    with ckptstore.open(s3.uri(), local="") as direct:
+        direct.delete(2)
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
+        assert store.steps() == [1]
+        train(engine, DATA[5:6])
+        store.commit(engine, 2)
+        again = store.state_dict(2)
+        store.drain()
+    node("b")
+    with ckptstore.open(s3.uri(), local="") as fresh:
+        assert fresh.steps() == [1, 2]
+        assert all(torch.equal(t, again[name]) for name, t in fresh.state_dict(2).items())
+        assert fresh.verify(deep=False).buried_manifests == []
