@@ -6,10 +6,11 @@ Order of a collection, each phase safe to interrupt:
    packs that step needs are unknown.
 2. Decide which steps to keep (keep-last, keep-every, explicit keeps); refuse to drop every
    step unless asked, and refuse to run at all if a kept step already misses a blob.
-3. Drop the other steps: their catalog rows in one transaction (tensor rows that a kept
-   composite step still inherits stay), then their manifests. Interrupted in between, the
-   next open lists the steps again from their manifests: nothing is lost, the next gc drops
-   them.
+3. Drop the other steps: add them to the store's deletion record (``format.deletions``: their
+   manifests are buried from then on, and their names never written again), drop their catalog
+   rows in one transaction (tensor rows that a kept composite step still inherits stay), then
+   delete their manifests, and any buried ones. Interrupted in between, the next gc deletes
+   what is left.
 4. Sweep: delete every pack, blob and stored auxiliary file (``files=``) no kept step
    references and older than the grace period, and the unfinished writes (``.tmp``) killed
    writers left that are older than it too.
@@ -35,7 +36,7 @@ from . import knobs
 from .arguments import check_retention, check_seconds
 from .catalog import Catalog, sync
 from .errors import BadInputError, CorruptError, clip
-from .format import layout
+from .format import deletions, layout
 from .objects import ObjectInfo, ObjectStore
 from .progress import progress_bar
 from .thin import thin, weights_to_keep
@@ -197,6 +198,11 @@ def collect(
     weights_rules = keep_weights_every is not None or keep_weights_last is not None
     with objects.lock(exclusive=True):
         sync.load_every_step(catalog, objects)
+        if catalog.deletions is not None and catalog.deletions.problems:
+            raise CorruptError(
+                f"{catalog.deletions.problems[0]}; gc will not run past a deletion record it cannot "
+                "read (the steps it deleted could come back): run `ckptstore verify --quarantine`"
+            )
         steps = catalog.steps()
         kept = steps_to_keep(
             steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
@@ -241,11 +247,15 @@ def collect(
         if dry_run:
             return report
 
-        generations = layout.list_manifests(objects).generations
+        listing = deletions.list_manifests(objects)
+        recorded = catalog.generations()
+        last = {s: max([*listing.generations.get(s, []), recorded.get(s, 0)]) for s in dropped}
+        deletions.record(objects, last)  # from here on the steps are gone, whatever happens next
         catalog.drop_steps(dropped)
         _delete(
             objects,
-            [layout.manifest_name(step, g) for step in dropped for g in generations.get(step, [0])],
+            [layout.manifest_name(s, g) for s in dropped for g in listing.generations.get(s, [])]
+            + listing.buried,
             "manifest",
         )
         _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")

@@ -239,6 +239,8 @@ class StepRecord:
     metrics: dict[str, float | None] = field(default_factory=dict)
     # gc kept only what exporting the weights needs (``ckptstore.thin``): no longer resumable
     weights_only: bool = False
+    # A step committed again after a deletion: the generation deleted (``format.deletions``)
+    supersedes: int | None = None
 
     @property
     def layers_saved(self) -> list[str]:

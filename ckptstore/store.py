@@ -296,7 +296,7 @@ class Store(TierVerbs):
         )  # fmt: skip
 
     @while_open
-    def verify(self, *, deep: bool = True) -> VerifyReport:
+    def verify(self, *, deep: bool = True, quarantine: bool = False) -> VerifyReport:
         """Check every step's manifest, and every blob and auxiliary file the committed steps
         reference, and the catalog.
 
@@ -304,9 +304,10 @@ class Store(TierVerbs):
         (``deep=False``) checks that every blob exists with the size the catalog recorded, from
         one listing; ``deep`` also reads, decodes and re-hashes every blob. Read-only: problems
         are reported, never repaired. Unreferenced blobs (orphans) and stray objects are
-        information, not problems.
+        information, not problems. ``quarantine``: then move the manifests it could not read or
+        authenticate to ``quarantine/`` (kept; see ``ckptstore.quarantine``), so that gc runs.
         """
-        return verify(self.objects, self.catalog, deep=deep)
+        return verify(self.objects, self.catalog, deep=deep, quarantine=quarantine)
 
     # -- retention -------------------------------------------------------------------------
 

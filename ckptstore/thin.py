@@ -105,12 +105,15 @@ def thin(
     gone = {
         (row.step, row.layer, row.name, row.kind, row.start) for rows in dropped_rows.values() for row in rows
     }
+    older: list[str] = []
     for step in changed:
         record = read_manifest(objects, step, generations[step])
         _rewrite(record, thinned, gone)
         # Above every generation stored, not only the one read: in a store with a key a newer
         # one may be a forgery the catalog passed over, and must not stay the newest.
-        generation = max([generations[step], *layout.generations_of(objects, step)]) + 1
+        stored = layout.generations_of(objects, step)
+        generation = max([generations[step], *stored]) + 1
+        older += [manifest_name(step, g) for g in stored if g <= generations[step]]
         if not objects.put_if_absent(
             manifest_name(step, generation),
             manifest.encode(record, objects.content_hash, generation),
@@ -120,9 +123,7 @@ def thin(
     catalog.record_weights_only(
         list(thinned.values()), [row for rows in dropped_rows.values() for row in rows], changed
     )
-    objects.delete_many(
-        [manifest_name(step, generation) for step in changed for generation in range(generations[step] + 1)]
-    )
+    objects.delete_many(older)  # the names listed, not every number below: generations may be far apart
     return report
 
 

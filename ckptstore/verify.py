@@ -23,11 +23,12 @@ from .catalog.sync import read_authentic_manifest
 from .dcp import dcp_description
 from .dcp.directory import refused_bytes_items
 from .errors import CorruptError, NotFoundError, UnsupportedError
-from .format import layout
+from .format import deletions, layout
 from .materialize.fetch import fetch_blob, fetch_pack
 from .model import StepRecord
 from .objects import ObjectStore
 from .progress import progress_bar
+from .quarantine import move_aside
 
 
 @dataclass
@@ -80,6 +81,13 @@ class VerifyReport:
     orphans: list[str] = field(default_factory=list)
     # objects under blobs/, files/ or manifests/ whose names are not names the store writes
     stray_objects: list[str] = field(default_factory=list)
+    # manifests and deletion records that cannot be read or are not authentic (what
+    # ``verify --quarantine`` moves aside); one a newer ckptstore wrote is not among them
+    unreadable_manifests: list[str] = field(default_factory=list)
+    # manifests of deleted steps (``format.deletions``): not steps; gc deletes them
+    buried_manifests: list[str] = field(default_factory=list)
+    # what ``verify --quarantine`` moved: name -> where it is now
+    quarantined: dict[str, str] = field(default_factory=dict)
     # unfinished writes (``.tmp``): in flight, or left by killed writers (gc removes old ones)
     temporary: int = 0
     temporary_bytes: int = 0
@@ -113,6 +121,9 @@ class VerifyReport:
             "manifest_problems": self.manifest_problems,
             "orphans": self.orphans,
             "stray_objects": self.stray_objects,
+            "unreadable_manifests": self.unreadable_manifests,
+            "buried_manifests": self.buried_manifests,
+            "quarantined": self.quarantined,
             "temporary": self.temporary,
             "temporary_bytes": self.temporary_bytes,
             "passed_on_recheck": self.passed_on_recheck,
@@ -124,6 +135,7 @@ def verify(
     catalog: Catalog,
     *,
     deep: bool = True,
+    quarantine: bool = False,
     between: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Check every pack, blob and auxiliary file the committed steps reference, and the catalog.
@@ -136,11 +148,15 @@ def verify(
     ``between(phase)`` is called between its phases ("listed": the manifests listed;
     "manifest": one manifest read, before it is compared with the catalog; "indexed": the
     objects listed and the catalog's references taken, before they are checked; "checked"):
-    tests run a gc there.
+    tests run a gc there. ``quarantine`` then moves the unreadable manifests aside
+    (``quarantine.move_aside``).
     """
     pause = between or (lambda phase: None)
     report = VerifyReport(deep=deep)
-    manifests = layout.list_manifests(objects)
+    manifests = deletions.list_manifests(objects)
+    report.buried_manifests = manifests.buried
+    report.unreadable_manifests.extend(manifests.unreadable)
+    report.manifest_problems.extend(manifests.problems)
     pause("listed")
     by_step = _verify_manifests(objects, catalog, manifests, report, pause)
     users = catalog.referenced_blobs()
@@ -195,6 +211,8 @@ def verify(
         _recheck(objects, catalog, manifests, report, by_step, index_problems, check)
     if deep:  # after the re-check, which checks a pack's bytes, not what DCP would unpickle
         _verify_bytes_items(objects, catalog, report)
+    if quarantine:
+        report.quarantined = move_aside(objects, report.unreadable_manifests)
     return report
 
 
@@ -223,7 +241,7 @@ def _recheck(
     """Keep of the problems found only those that still hold now, against a fresh listing of
     the manifests (and the catalog synced with it): a problem of steps that are gone, or whose
     record no longer names what was missing, was a gc running beside verify, not damage."""
-    now = layout.list_manifests(objects)
+    now = deletions.list_manifests(objects)
     sync.sync(catalog, objects)  # a step dropped elsewhere leaves a cache; a rewritten one is re-listed
     before = len(report.problems) + len(report.file_problems) + len(index_problems)
     before += sum(len(problems) for problems in by_step.values())
@@ -233,7 +251,9 @@ def _recheck(
             if step in listed.found and listed.generation(step) == now.generation(step):
                 return True  # the record verify checked against still stands
             try:
-                record, _, _ = read_authentic_manifest(objects, step, now.generation(step))
+                record, _, _ = read_authentic_manifest(
+                    objects, step, now.generation(step), now.deleted.get(step, -1)
+                )
             except NotFoundError:
                 continue
             except (CorruptError, UnsupportedError):
@@ -264,16 +284,18 @@ def _recheck(
         and (problem.problem != "is missing" or not objects.exists(layout.file_name(problem.key)))
     ]
     again: list[str] = []
+    recorded = catalog.generations()
     for step in sorted(set(by_step) & set(now.found)):
-        name = layout.manifest_name(step, now.generation(step))
+        generation = now.generation(step)
         try:
-            record, generation, rejected = read_authentic_manifest(objects, step, now.generation(step))
-            name = layout.manifest_name(step, generation)
+            record, generation, rejected = read_authentic_manifest(
+                objects, step, generation, now.deleted.get(step, -1)
+            )
         except NotFoundError:
             continue
         except (CorruptError, UnsupportedError) as exc:
             record, rejected = f"cannot be read ({exc})", []
-        again += _manifest_problems(catalog, step, name, record, rejected)
+        again += _manifest_problems(catalog, step, generation, record, rejected, now, recorded)
     users = catalog.referenced_blobs()
     sizes = {key: row.size for key, row in catalog.blob_sizes(users).items()}
     fresh = set(_index_problems(catalog, now, users, sizes))
@@ -358,24 +380,37 @@ def _verify_manifests(
     """Read every step's manifest (its newest generation; with a key, its newest authentic one,
     reporting each newer one that is not), layer indexes included, and compare what it
     references with the catalog's rows of the step: a catalog row a store writer added (a
-    pack, a blob, an auxiliary file) shows here. Returns the problems found by step."""
+    pack, a blob, an auxiliary file) shows here. A step committed again after a deletion must
+    find that deletion in the record, and no step a generation older than the catalog read.
+    The manifests that cannot be read or authenticated are named in ``unreadable_manifests``.
+    Returns the problems found by step."""
+    recorded = catalog.generations()
 
-    def read(step: int) -> tuple[int, str, StepRecord | str | None, list[str]]:
+    def read(step: int) -> tuple[int, int, StepRecord | str | None, list[str]]:
         generation = manifests.generation(step)
         try:
-            record, generation, rejected = read_authentic_manifest(objects, step, generation)
-            return step, layout.manifest_name(step, generation), record, rejected
+            record, generation, rejected = read_authentic_manifest(
+                objects, step, generation, manifests.deleted.get(step, -1)
+            )
+            return step, generation, record, rejected
         except NotFoundError:
-            return step, layout.manifest_name(step, generation), None, []  # dropped by a gc since the listing
-        except (CorruptError, UnsupportedError) as exc:
-            return step, layout.manifest_name(step, generation), f"cannot be read ({exc})", []
+            return step, generation, None, []  # dropped by a gc since the listing
+        except UnsupportedError as exc:  # a newer ckptstore's: not to be moved aside
+            return step, generation, f"cannot be read ({exc})", []
+        except CorruptError as exc:
+            return step, generation, f"cannot be read ({exc})", [""]
 
     by_step: dict[int, list[str]] = {}
     with ThreadPoolExecutor(knobs.io_threads()) as pool:
-        for step, name, record, rejected in pool.map(read, sorted(manifests.found)):
+        for step, generation, record, rejected in pool.map(read, sorted(manifests.found)):
             report.manifests_checked += 1
             pause("manifest")
-            problems = _manifest_problems(catalog, step, name, record, rejected)
+            if rejected:  # every generation above the one read was passed over; all, if none was read
+                floor = generation if not isinstance(record, str) else -1
+                report.unreadable_manifests.extend(
+                    layout.manifest_name(step, g) for g in manifests.generations[step] if g > floor
+                )
+            problems = _manifest_problems(catalog, step, generation, record, rejected, manifests, recorded)
             if problems:
                 by_step[step] = problems
                 report.manifest_problems += problems
@@ -383,15 +418,45 @@ def _verify_manifests(
 
 
 def _manifest_problems(
-    catalog: Catalog, step: int, name: str, record: StepRecord | str | None, rejected: list[str]
+    catalog: Catalog,
+    step: int,
+    generation: int,
+    record: StepRecord | str | None,
+    rejected: list[str],
+    listing: layout.ManifestListing,
+    recorded: dict[int, int],
 ) -> list[str]:
-    """What is wrong with ``step``'s manifest ``name`` as read (``record``: a problem's text,
-    or None if it was gone) and with the newer generations passed over (``rejected``)."""
-    problems = [f"step {step}: {problem} (ignored: the step reads {name})" for problem in rejected]
-    problem = record if isinstance(record, str) else _disagreement(catalog, step, record)
+    """What is wrong with ``step``'s manifest of ``generation`` as read (``record``: a
+    problem's text, or None if it was gone) and with the newer generations passed over
+    (``rejected``; "" for one only moved aside), against the deletions in ``listing`` and the
+    generations this node read before (``recorded``)."""
+    name = layout.manifest_name(step, generation)
+    problems = [f"step {step}: {problem} (ignored: the step reads {name})" for problem in rejected if problem]
+    if isinstance(record, str):
+        problem = record
+    else:  # a rollback first: the catalog's rows then differ from the old manifest too
+        problem = _rolled_back(step, generation, record, recorded, listing.deleted)
+        problem = problem or _disagreement(catalog, step, record)
     if problem:
         problems.append(f"step {step}: manifest {name} {problem}")
     return problems
+
+
+def _rolled_back(
+    step: int, generation: int, record: StepRecord | None, recorded: dict[int, int], deleted: dict[int, int]
+) -> str | None:
+    """Whether ``record`` (read at ``generation``) is older than what the store said before."""
+    if record is not None and record.supersedes is not None and deleted.get(step, -1) < record.supersedes:
+        return (
+            f"was committed after generation {record.supersedes} was deleted, but the store's deletion "
+            "record lacks that deletion (a store writer removed or replaced the record)"
+        )
+    if record is not None and recorded.get(step, -1) > generation:
+        return (
+            f"is generation {generation}, older than generation {recorded[step]} this node read before "
+            "(a store writer put an old manifest back or removed the newer one)"
+        )
+    return None
 
 
 def _disagreement(catalog: Catalog, step: int, record: StepRecord | None) -> str | None:

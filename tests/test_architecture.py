@@ -19,7 +19,7 @@ LAYERS = [
     {"model", "objects"},
     {"format"},
     {"catalog", "deepspeed", "strategies", "auxfiles", "arguments"},
-    {"commit", "materialize", "verify", "gc", "thin", "restore", "dcp", "tier"},
+    {"commit", "materialize", "verify", "quarantine", "gc", "thin", "restore", "dcp", "tier"},
     {"export", "frontdoors"},
     {"store"},
     {"opening"},

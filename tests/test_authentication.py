@@ -260,3 +260,119 @@ def test_a_store_opens_only_with_the_key_it_was_created_with(tmp_path, run, monk
     monkeypatch.setenv("CKPTSTORE_KEY_FILE", str(key_file))
     assert run("--store", tmp_path / "keyed", "log").returncode == 0
     ckptstore.open(tmp_path / "keyed").close()
+
+
+# -- rollback: a deleted step's manifest put back ----------------------------------------------
+
+
+def test_a_deleted_steps_manifest_put_back_is_not_the_step_before_or_after_it_is_committed_again(
+    committed, keyed, zero1_engine, machine
+):
+    uri, truth = committed
+    objects = attacker(uri)
+    old = layout.manifest_name(4)
+    kept = objects.get(old)  # the writer keeps step 4's manifest (and its packs, which gc spares a while)
+    machine("warm")
+    store = open_store(uri, keyed)
+    store.delete(4)
+    objects.put_if_absent(old, kept)
+    machine("fresh-1")
+    assert open_store(uri, keyed).steps() == [2]
+
+    train(zero1_engine, batches(1, seed=11))
+    store.commit(zero1_engine, 4)  # rewinding a run: step 4 again, written above its deletion
+    again = store.state_dict(4)
+    store.close()
+    assert not same_weights(again, truth[4])
+    assert objects.exists(layout.manifest_name(4, 1)) and objects.get(old) == kept
+
+    machine("fresh-2")
+    fresh = open_store(uri, keyed)
+    assert fresh.steps() == [2, 4] and same_weights(fresh.state_dict(4), again)
+    report = fresh.verify(deep=False)
+    assert report.ok and report.buried_manifests == [old]
+    fresh.gc(grace=0)  # the buried manifest goes, and the packs only it named
+    assert not objects.exists(old) and same_weights(fresh.state_dict(4), again)
+
+
+def test_a_rollback_of_the_deletion_record_shows_in_verify_and_a_warm_node_keeps_the_newer_step(
+    where, zero1_engine, machine
+):
+    """What a writer without the key can still do: roll back the deletion record and the newer
+    manifest together, as a whole-store snapshot would. A fresh node then reads the old step
+    (the README's limit); a node that read the newer one keeps it, and its verify says so."""
+    truth = commit_two_steps(where, True, zero1_engine)
+    objects = attacker(where)
+    kept = objects.get(layout.manifest_name(4))
+    machine("warm")
+    store = open_store(where, True)
+    store.delete(4)
+    train(zero1_engine, batches(1, seed=13))
+    store.commit(zero1_engine, 4)
+    again = store.state_dict(4)
+    store.close()
+
+    records = [info.name for info in objects.list(layout.DELETIONS)]
+    objects.delete_many(records)  # the record alone: the newer manifest still wins, verify tells
+    machine("fresh-1")
+    fresh = open_store(where, True)
+    assert same_weights(fresh.state_dict(4), again)
+    problems = fresh.verify(deep=False).manifest_problems
+    assert len(problems) == 1 and "lacks that deletion" in problems[0]
+
+    objects.delete(layout.manifest_name(4, 1))
+    objects.put_if_absent(layout.manifest_name(4), kept)
+    machine("fresh-2")
+    assert same_weights(open_store(where, True).state_dict(4), truth[4])  # the limit
+    machine("warm")
+    warm = open_store(where, True)
+    assert same_weights(warm.state_dict(4), again)
+    problems = warm.verify(deep=False).manifest_problems
+    assert any("older than generation 1 this node read before" in problem for problem in problems)
+
+
+# -- junk names and unreadable manifests -------------------------------------------------------
+
+
+def test_junk_names_under_manifests_are_strays_that_stop_nothing(committed, keyed, run):
+    uri, truth = committed
+    objects = attacker(uri)
+    junk = ["manifests/000000000004.\u00b2.json", "manifests/" + "9" * 25 + ".json", "manifests/deleted.x"]
+    for name in junk:
+        objects.put_if_absent(name, b"junk")
+
+    store = open_store(uri, keyed)
+    assert store.steps() == [2, 4] and [row.step for row in store.log()] == [2, 4]
+    assert same_weights(store.state_dict(4), truth[4])
+    report = store.verify(deep=False)
+    assert report.ok and report.stray_objects == sorted(junk)
+    assert store.gc(keep_last=1, grace=0).steps_dropped == [2]
+    assert all(objects.exists(name) for name in junk)
+
+
+def test_verify_quarantine_moves_what_stops_gc_aside_and_gc_runs_again(committed, keyed, run, tmp_path):
+    uri, truth = committed
+    objects = attacker(uri)
+    unreadable = [layout.manifest_name(6), layout.deletions_name(9)]
+    for name in unreadable:
+        objects.put_if_absent(name, b"CKPM\x03" + os.urandom(64))
+    if keyed:  # a newer generation without the key's tag: ignored, moved aside all the same
+        forge(objects, empty_record(4, read_record(objects, 4)), generation=1)
+        unreadable.append(layout.manifest_name(4, 1))
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o600)
+    cli = ["--store", uri, *(["--key-file", key_file] if keyed else [])]
+
+    refused = run(*cli, "gc", "--keep-last", "1")
+    assert refused.returncode == 4 and "verify --quarantine" in refused.stderr
+    moved = run(*cli, "verify", "--fast", "--quarantine")
+    assert moved.returncode == 1
+    for name in unreadable:
+        assert f"quarantined: {name} -> quarantine/{name}" in moved.stdout
+        assert not objects.exists(name) and objects.exists(f"quarantine/{name}")
+    assert run(*cli, "gc", "--keep-last", "1").returncode == 0
+    assert run(*cli, "verify", "--fast").returncode == 0
+    store = open_store(uri, keyed)
+    assert store.steps() == [4] and same_weights(store.state_dict(4), truth[4])
+    assert all(objects.exists(f"quarantine/{name}") for name in unreadable)

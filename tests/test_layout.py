@@ -19,6 +19,10 @@ def test_names_round_trip():
     # a record gc rewrote (a weights-only step) is a later generation of the same step
     assert layout.manifest_name(42, 3) == "manifests/000000000042.3.json"
     assert layout.parse_manifest_name(layout.manifest_name(42, 3)) == (42, 3)
+    assert layout.parse_manifest_name(layout.manifest_name(2**63 - 1, 2**63 - 1)) == (2**63 - 1, 2**63 - 1)
+    # the store's deletion record (format.deletions)
+    assert layout.deletions_name(5) == "manifests/deleted.000000000005"
+    assert layout.parse_deletions_name(layout.deletions_name(5)) == 5
 
 
 @pytest.mark.parametrize(
@@ -28,11 +32,16 @@ def test_names_round_trip():
         "manifests/000000000007.0.json", "manifests/000000000007.01.json", "manifests/000000000007.x.json",
         f"blobs/zz/{KEY}", f"blobs/{KEY}", "blobs/01/" + KEY.upper(), "blobs/01/short", f"files/01/{KEY}/x",
         f"manifests/01/{KEY}",
+        # other scripts' digits (str.isdigit takes them, int() refuses "²"), and steps, generations
+        # or sequence numbers SQLite cannot hold (2**63 and above)
+        "manifests/000000000004.\u00b2.json", "manifests/\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff14.json",
+        "manifests/" + "9" * 25 + ".json", f"manifests/{2**63}.json", f"manifests/000000000004.{2**63}.json",
+        "manifests/deleted.1", "manifests/deleted.00000000000\u00b2", f"manifests/deleted.{2**63}",
     ],
 )  # fmt: skip
 def test_names_the_store_does_not_write_parse_as_nothing(name):
     parsed = [layout.parse_blob_name(name), layout.parse_file_name(name), layout.parse_manifest_name(name)]
-    assert parsed == [None, None, None]
+    assert parsed == [None, None, None] and layout.parse_deletions_name(name) is None
 
 
 def test_listings_separate_valid_names_from_stray_ones(tmp_path):

@@ -127,3 +127,28 @@ def test_metrics_and_the_weights_only_mark_round_trip_and_are_encoded_only_when_
     assert b'"weights_only":true' in manifest.encode_v1(record)
     plain = manifest.encode_v1(example())
     assert b"metrics" not in plain and b"weights_only" not in plain
+
+
+def test_a_deletion_record_round_trips_and_with_a_key_binds_its_name():
+    from ckptstore.format import deletions
+    from ckptstore.format.layout import deletions_name
+    from ckptstore.hashing import PLAIN, ContentHash
+
+    keyed, name = ContentHash.keyed(bytes(range(32))), deletions_name(3)
+    deleted = {4: 0, 10**13: 7}
+    for content_hash in (PLAIN, keyed):
+        assert deletions.decode(deletions.encode(deleted, name, content_hash), content_hash, name) == deleted
+    tagged = deletions.encode(deleted, name, keyed)
+    with pytest.raises(CorruptError, match="not authentic"):
+        deletions.decode(tagged, keyed, deletions_name(4))  # moved to another sequence number
+    with pytest.raises(CorruptError, match="not authentic"):
+        deletions.decode(deletions.encode(deleted, name, PLAIN), keyed, name)
+    with pytest.raises(CorruptError, match="tagged"):
+        deletions.decode(tagged, PLAIN, name)
+    with pytest.raises(UnsupportedError):
+        deletions.decode(b"CKPD\x09" + tagged[5:], PLAIN, name)
+    bad = deletions.encode({}, name, PLAIN)[:5] + deletions.zstd.compressor().compress(
+        b'{"deleted":[[1,true]]}'
+    )
+    with pytest.raises(CorruptError, match="malformed"):
+        deletions.decode(bad, PLAIN, name)

@@ -436,3 +436,27 @@ def test_a_new_node_commits_into_its_tier_while_s3_is_away_and_asks_it_nothing(s
     store.drain()
     assert bucket_steps(s3) == [1, 2, 3, 4]
     store.close()
+
+
+def test_a_step_deleted_in_s3_and_committed_again_through_the_tier_goes_up_as_the_new_one(s3, node, engine):
+    """Rewinding a run: the tier still holds (and has marked uploaded) the old step, which the
+    store's deletion record buries; the new commit of it is a newer generation, uploaded."""
+    nvme = node("a")
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
+        for step in (1, 2):
+            train(engine, DATA[step : step + 1])
+            store.commit(engine, step)
+        store.drain()
+    with ckptstore.open(s3.uri(), local="") as direct:
+        direct.delete(2)
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain") as store:
+        assert store.steps() == [1]
+        train(engine, DATA[5:6])
+        store.commit(engine, 2)
+        again = store.state_dict(2)
+        store.drain()
+    node("b")
+    with ckptstore.open(s3.uri(), local="") as fresh:
+        assert fresh.steps() == [1, 2]
+        assert all(torch.equal(t, again[name]) for name, t in fresh.state_dict(2).items())
+        assert fresh.verify(deep=False).buried_manifests == []

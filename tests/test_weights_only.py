@@ -133,6 +133,7 @@ def test_other_machines_see_a_step_become_weights_only_and_keep_its_new_packs(s3
     assert s3.keys("run/manifests/") == [
         "run/manifests/000000000002.1.json",
         "run/manifests/000000000003.json",
+        "run/manifests/deleted.000000000000",  # step 1's deletion (format/deletions.py)
     ]
 
 

@@ -47,6 +47,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         #: key: a store writer without the key can add a manifest, and only reading it tells
         #: whether it is authentic, so every listed step is imported before steps are answered.
         self.trusts_listing = True
+        #: What the store's deletion record said at the last sync (``format.deletions``): the
+        #: generation a new commit of a deleted step is written above. None: not synced.
+        self.deletions = None
         self.db = database.snapshot(self.path) if read_only else database.connect(self.path)
 
     def require_writable(self, verb: str) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .. import auxfiles, knobs
 from ..errors import BadInputError, CorruptError, NotFoundError, StorageError, UnsupportedError, storage_error
-from ..format import layout, manifest
+from ..format import deletions, layout, manifest
 from ..model import StepRecord
 from ..objects import ObjectStore
 from .database import storage_faults
@@ -88,10 +88,11 @@ def read_manifest(objects: ObjectStore, step: int, generation: int = 0, *, lazy:
 
 
 def read_authentic_manifest(
-    objects: ObjectStore, step: int, generation: int, *, lazy: bool = False
+    objects: ObjectStore, step: int, generation: int, above: int = -1, *, lazy: bool = False
 ) -> tuple[StepRecord, int, list[str]]:
     """``step``'s record from its newest manifest at or below ``generation`` that a store with
-    a key can trust: ``(record, its generation, why each newer one was passed over)``.
+    a key can trust: ``(record, its generation, why each newer one was passed over)``. Never
+    one at or below ``above``: the generation a deletion buried (``format.deletions``).
 
     Without a key this is ``read_manifest`` of ``generation``. With one, a newer generation
     that is not authentic (someone who can write the store but holds no key put it there) is
@@ -106,7 +107,8 @@ def read_authentic_manifest(
             raise
         first = exc
     rejected = [str(first)]
-    for older in sorted((g for g in layout.generations_of(objects, step) if g < generation), reverse=True):
+    older_ones = (g for g in layout.generations_of(objects, step) if above < g < generation)
+    for older in sorted(older_ones, reverse=True):
         try:
             return read_manifest(objects, step, older, lazy=lazy), older, rejected
         except NotFoundError:
@@ -122,16 +124,24 @@ def import_record(catalog: Catalog, record: StepRecord, generation: int = 0) -> 
 
 
 def _fetch_all(
-    objects: ObjectStore, steps: dict[int, int], report: SyncReport, *, lazy: bool = False
+    objects: ObjectStore,
+    steps: dict[int, int],
+    report: SyncReport,
+    deleted: dict[int, int],
+    *,
+    lazy: bool = False,
 ) -> Iterable[list[tuple[StepRecord, int]]]:
     """The manifests of ``steps`` (step -> generation) in ascending step order (composite steps
     after their sources), each with its generation, in batches read on ``CKPTSTORE_IO_THREADS``
-    threads. ``lazy`` as ``read_manifest``."""
+    threads; ``deleted``: the deletion record's (nothing at or below a deleted generation is
+    read). ``lazy`` as ``read_manifest``."""
     ordered = sorted(steps)
 
     def fetch(step: int) -> tuple[StepRecord, int] | None:
         try:
-            record, generation, rejected = read_authentic_manifest(objects, step, steps[step], lazy=lazy)
+            record, generation, rejected = read_authentic_manifest(
+                objects, step, steps[step], deleted.get(step, -1), lazy=lazy
+            )
             for problem in rejected:
                 log.warning("ckptstore: ignored %s", problem)
             return record, generation
@@ -173,20 +183,35 @@ def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
 
     The steps are listed and imported only when a query first needs them (``load_steps``). A
     step whose record was rewritten (a newer manifest generation: gc made it weights-only) is
-    dropped and listed again, so it is imported afresh. A recorded step whose manifest is gone
-    is dropped from a cache (a gc elsewhere dropped it) but kept in a shared catalog, where
-    only damage does that (``verify`` reports it).
+    dropped and listed again, so it is imported afresh (generations only grow: a step deleted
+    and committed again is a newer one, ``format.deletions``). A recorded step whose manifest
+    is gone is dropped from a cache (a gc elsewhere dropped it), and from a shared catalog only
+    if the deletion record says so: there anything else is damage (``verify`` reports it). A
+    listed generation older than the one recorded is not taken: someone put an old manifest
+    back, and the rows read from the newer one stay (``verify`` reports the difference).
     """
     report = SyncReport()
-    listing = layout.list_manifests(objects)
+    listing = deletions.list_manifests(objects)
+    catalog.deletions = deletions.Deletions(
+        listing.deleted, max(listing.deletion_records, default=-1), listing.problems, listing.unreadable
+    )
     remote = {step: listing.generation(step) for step in listing.found}
     keep_missing = catalog_is_shared(objects)
     with catalog.write_transaction():
         recorded = catalog.generations()
+        older = {step: g for step, g in recorded.items() if step in remote and remote[step] < g}
+        for step, generation in older.items():
+            log.warning(
+                "ckptstore: step %s lists manifest generation %s, older than the generation %s this "
+                "catalog read: kept the newer (a store writer put an old manifest back?)",
+                step, remote[step], generation,
+            )  # fmt: skip
+            remote[step] = generation
         report.dropped = sorted(
             step
             for step, generation in recorded.items()
-            if remote.get(step) != generation and not (keep_missing and step not in remote)
+            if remote.get(step) != generation
+            and not (keep_missing and step not in remote and step not in listing.deleted)
         )
         if report.dropped:
             catalog.drop_steps(report.dropped)
@@ -204,7 +229,8 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
     # A commit through a local tier reads no manifest the tier lacks: those stay listed.
     listed = {s: g for s, g in listed.items() if objects.at_hand(layout.manifest_name(s, g))}
     steps = list(listed)
-    for batch in _fetch_all(objects, listed, report, lazy=True):
+    deleted = catalog.deletions.deleted if catalog.deletions is not None else {}
+    for batch in _fetch_all(objects, listed, report, deleted, lazy=True):
         with catalog.write_transaction():  # one commit (and sync to disk) a batch, not a step
             report.imported += [record.step for record, g in batch if import_record(catalog, record, g)]
     for problem in report.corrupt:
@@ -218,10 +244,20 @@ def load_steps(catalog: Catalog, objects: ObjectStore, steps: list[int]) -> Sync
     return report
 
 
-def import_step(catalog: Catalog, objects: ObjectStore, step: int) -> None:
-    """Import one step another process just committed, if this catalog does not have it yet."""
-    if not catalog.is_recorded(step):
-        import_record(catalog, read_manifest(objects, step))
+def import_step(catalog: Catalog, objects: ObjectStore, step: int, generation: int | None = None) -> None:
+    """Import one step another process just committed (at ``generation``; None: its newest
+    listed above its deletion), if this catalog does not have it yet. NotFoundError if it has
+    no such manifest."""
+    if catalog.is_recorded(step):
+        return
+    last = catalog.deletions.deleted.get(step, -1) if catalog.deletions is not None else -1
+    if generation is None:
+        live = [g for g in layout.generations_of(objects, step) if g > last]
+        if not live:
+            raise NotFoundError(f"step {step} has no manifest in {objects.uri}")
+        generation = live[-1]
+    record, generation, _ = read_authentic_manifest(objects, step, generation, last)
+    import_record(catalog, record, generation)
 
 
 def load_every_step(catalog: Catalog, objects: ObjectStore) -> None:
@@ -234,8 +270,9 @@ def load_every_step(catalog: Catalog, objects: ObjectStore) -> None:
     if report.corrupt:
         more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
         raise CorruptError(
-            f"manifest {report.corrupt[0]}{more} cannot be read; gc will not run while a step's manifest "
-            "is unreadable (it cannot tell which packs the step needs): run `ckptstore verify`"
+            "gc will not run while a step's manifest is unreadable (it cannot tell which packs the step "
+            "needs): `ckptstore verify --quarantine` moves such manifests aside; "
+            f"manifest {report.corrupt[0]}{more}"
         )
 
 
@@ -320,12 +357,14 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
     report = SyncReport()
     previous = _previous_steps(path)
     stored = {**layout.list_blobs(objects).found, **layout.list_packs(objects).found}
-    listing = layout.list_manifests(objects)
+    listing = deletions.list_manifests(objects)
     catalog = Catalog(fresh)
     try:
         for record, generation in (
             found
-            for batch in _fetch_all(objects, {s: listing.generation(s) for s in listing.found}, report)
+            for batch in _fetch_all(
+                objects, {s: listing.generation(s) for s in listing.found}, report, listing.deleted
+            )
             for found in batch
         ):
             # A step whose packs a gc swept after its manifest was damaged cannot come back.

@@ -15,9 +15,14 @@ from .base import EXIT_PROBLEMS, cli, human, key_of, open_store, uri_of
 @cli.command()
 @click.option("--fast", is_flag=True, help="Only check presence, size and header (no re-hash).")
 @click.option("--deep", is_flag=True, help="Decode and re-hash every blob (the default).")
+@click.option(
+    "--quarantine",
+    is_flag=True,
+    help="Then move the manifests that cannot be read or authenticated to quarantine/ (kept), so gc runs.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def verify(ctx: click.Context, fast: bool, deep: bool, as_json: bool) -> None:
+def verify(ctx: click.Context, fast: bool, deep: bool, quarantine: bool, as_json: bool) -> None:
     """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
     Every step's manifest is read and compared with the catalog. Without --fast, an auxiliary
@@ -27,12 +32,16 @@ def verify(ctx: click.Context, fast: bool, deep: bool, as_json: bool) -> None:
     packs and blobs (orphans) and stray objects (names under packs/, blobs/, files/ or
     manifests/ that ckptstore does not write) are reported but are not problems.
 
+    gc refuses to run while a manifest cannot be read or, with a key, is not authentic.
+    --quarantine moves those manifests to quarantine/ in the store (copied, never deleted;
+    no longer steps) and prints each; gc then runs, and frees the packs only they named.
+
     Example: ckptstore --store runs/store verify
     """
     if fast and deep:
         raise click.UsageError("--fast and --deep exclude each other")
     with open_store(ctx, through_tier=False) as store:
-        report = store.verify(deep=not fast)
+        report = store.verify(deep=not fast, quarantine=quarantine)
     if as_json:
         click.echo(json.dumps(report.as_dict()))
     else:
@@ -48,6 +57,14 @@ def verify(ctx: click.Context, fast: bool, deep: bool, as_json: bool) -> None:
                 f"info: {len(report.stray_objects)} object(s) whose names ckptstore does not write: {shown} "
                 "(left alone by gc)"
             )
+        if report.buried_manifests:
+            click.echo(
+                f"info: {len(report.buried_manifests)} manifest(s) of deleted steps: "
+                f"{', '.join(report.buried_manifests[:5])}{', ...' if len(report.buried_manifests) > 5 else ''} "
+                "(not steps; gc removes them)"
+            )
+        for name, target in report.quarantined.items():
+            click.echo(f"quarantined: {name} -> {target}")
         if report.temporary:
             click.echo(
                 f"info: {report.temporary} unfinished write(s) ({human(report.temporary_bytes)}), in flight or "

@@ -4,7 +4,8 @@ Write order: every pack first (``commit.packs``), then the manifest, then the ca
 The manifest, written create-only in one request, is the commit point on every backend; the
 catalog only indexes it (``catalog.sync``), so a commit that dies after its manifest is a
 committed step, which the next open lists. Of two writers of one step, the second finds the
-first's manifest and fails without touching it.
+first's manifest and fails without touching it. A step deleted before is committed at the
+generation above its deletion (``format.deletions``): no manifest name is ever written twice.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from datetime import datetime, timezone
 
 from ..catalog import Catalog
 from ..errors import BadInputError, ConflictError, StorageError, clip
-from ..format import manifest
+from ..format import deletions, manifest
 from ..format.layout import manifest_name
 from ..model import FileRow, LayerPacks, StepRecord, Updates, layers_by_source
 from ..objects import ObjectStore
@@ -88,8 +89,10 @@ def publish(
     record: StepRecord,
     *,
     samples: dict[str, bytes],
-) -> bytes:
-    """Write ``record``'s manifest, the commit point, then its catalog rows; returns the manifest.
+) -> tuple[int, bytes]:
+    """Write ``record``'s manifest, the commit point, then its catalog rows; returns the
+    manifest's generation (``deletions.next_generation``: the store's deletion record is listed
+    again, except through a local tier, which asks the remote nothing) and bytes.
 
     The step is committed once the manifest is written; if recording the rows fails after
     that, the error is raised but the step stays committed (the next open lists it).
@@ -97,8 +100,12 @@ def publish(
     another writer committed the step first; that writer's manifest is left as it is;
     StorageError saying the step is committed when the catalog cannot record it (disk full).
     """
-    name = manifest_name(record.step)
-    data = manifest.encode(record, objects.content_hash)
+    generation = deletions.next_generation(
+        objects, catalog.deletions, record.step, ask=not hasattr(objects, "private_catalog")
+    )
+    record.supersedes = generation - 1 if generation else None
+    name = manifest_name(record.step, generation)
+    data = manifest.encode(record, objects.content_hash, generation)
     # "Already there" is also the answer to a retried write whose first reply was lost.
     if not objects.put_if_absent(name, data, single_request=True) and objects.get(name) != data:
         raise ConflictError(
@@ -107,11 +114,11 @@ def publish(
         )
     # Another process sharing the catalog may have imported the manifest already.
     try:
-        catalog.record_step(record, samples=samples, if_absent=True)
+        catalog.record_step(record, samples=samples, if_absent=True, generation=generation)
     except StorageError as exc:
         raise StorageError(
             f"step {record.step} is committed (its manifest {name} is written) but not recorded: {exc}; "
             "the next open of the store lists it",
             transient=exc.transient,
         ) from None
-    return data
+    return generation, data

@@ -155,8 +155,8 @@ def commit_step(
             )  # fmt: skip
             return publish(objects, catalog, step_record, samples=own.samples)
 
-        manifest = ranks.on_rank_zero(f"recording step {step}", record)
-        _import_committed(catalog, objects, step, manifest)
+        generation, manifest = ranks.on_rank_zero(f"recording step {step}", record)
+        _import_committed(catalog, objects, step, generation, manifest)
     return CommitReport(
         step=step,
         layers_saved=plan.saved,
@@ -168,17 +168,19 @@ def commit_step(
     )
 
 
-def _import_committed(catalog: Catalog, objects: ObjectStore, step: int, manifest: bytes) -> None:
+def _import_committed(
+    catalog: Catalog, objects: ObjectStore, step: int, generation: int, manifest: bytes
+) -> None:
     """Add the step rank 0 committed to this rank's index (ranks on other machines have their
     own). A local tier on another node than rank 0's does not have the manifest yet: it gets
     the one rank 0 sent, so that this node lists the step and its uploader knows it."""
     if catalog.is_recorded(step):
         return
     try:
-        sync.import_step(catalog, objects, step)
+        sync.import_step(catalog, objects, step, generation)
     except NotFoundError:
-        objects.put_if_absent(manifest_name(step), manifest, single_request=True)
-        sync.import_step(catalog, objects, step)
+        objects.put_if_absent(manifest_name(step, generation), manifest, single_request=True)
+        sync.import_step(catalog, objects, step, generation)
 
 
 def _share_names(stored: StoredPacks, files: list[FileRow] | None) -> dict[str, int]:

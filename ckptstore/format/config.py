@@ -18,8 +18,9 @@ from ..keys import HOW_TO_PASS
 from ..objects import ObjectStore
 from .layout import BLOBS, CONFIG, FILES, MANIFESTS, PACKS, TIER_REMOTE
 
-# ``tier/``: a local tier's own records (``ckptstore.tier``).
-NAMESPACES = (BLOBS, PACKS, FILES, MANIFESTS, "tier/")
+# ``tier/``: a local tier's own records (``ckptstore.tier``); ``quarantine/``: objects
+# ``verify --quarantine`` moved aside.
+NAMESPACES = (BLOBS, PACKS, FILES, MANIFESTS, "tier/", "quarantine/")
 
 # 1: a blob per stored tensor. 2: a pack per rank and layer (``format.pack``), CKPM manifests.
 STORE_FORMAT_VERSION = 2

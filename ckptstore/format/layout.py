@@ -8,8 +8,14 @@ A store holds::
     files/<ab>/<key>               one auxiliary file each (config.json, tokenizer files...)
     manifests/<step, 12 digits>.json   one per committed step: its StepRecord (``format.manifest``;
                                    JSON text in format 1, a CKPM binary in format 2)
-    manifests/<step>.<generation>.json  the step's record as gc rewrote it (weights-only steps,
-                                   ``ckptstore.thin``); the highest generation is the step's record
+    manifests/<step>.<generation>.json  a newer record of the step: gc rewrote it (weights-only
+                                   steps, ``ckptstore.thin``) or the step was committed again after
+                                   a deletion; the highest live generation is the step's record
+    manifests/deleted.<sequence>   the store's deletion record (``format.deletions``): every
+                                   deleted step's newest generation, so that no name is reused
+
+Steps, generations and sequence numbers are ASCII digits below 2**63 (SQLite's integers); a
+step has 12 digits at least (zero-padded), a generation none leading.
 
 Names are built and parsed here only, and a name is valid only if building it again from what
 was parsed gives the same name. Anything else under a known prefix is *stray*: listings
@@ -35,7 +41,12 @@ MANIFESTS = "manifests/"
 TIER_REMOTE = "tier/remote.json"
 
 _KEY = re.compile(r"[0-9a-f]{32}")
-_STEP = re.compile(r"[0-9]{12,}")
+# [0-9], never \d or str.isdigit: those take other scripts' digits ("²"), which int() refuses.
+_STEP = re.compile(r"[0-9]{12,19}")
+_GENERATION = re.compile(r"[1-9][0-9]{0,18}")
+LIMIT = 2**63  # steps, generations and sequence numbers are below it
+DELETIONS = f"{MANIFESTS}deleted."
+_NUMBER = re.compile(r"[0-9]{1,19}")
 
 T = TypeVar("T")
 
@@ -85,15 +96,43 @@ def parse_file_name(name: str) -> str | None:
     return _parse_keyed(FILES, name)
 
 
+def deletions_name(sequence: int) -> str:
+    """Object name of the store's deletion record number ``sequence`` (``format.deletions``)."""
+    return f"{DELETIONS}{sequence:012d}"
+
+
+def _number(text: str, pattern: re.Pattern) -> int | None:
+    """The number ``text`` spells if ``pattern`` takes it whole and it is below ``LIMIT``."""
+    if not pattern.fullmatch(text):
+        return None
+    value = int(text)
+    return value if value < LIMIT else None
+
+
+def parse_number(text: str) -> int | None:
+    """The number ``text`` spells in ASCII digits, if it is below ``LIMIT``; None for anything
+    else (``str.isdigit`` takes "²", which ``int`` refuses)."""
+    return _number(text, _NUMBER)
+
+
 def parse_manifest_name(name: str) -> tuple[int, int] | None:
     """The (step, generation) a valid manifest name holds; None for anything else."""
     if not name.startswith(MANIFESTS) or not name.endswith(".json"):
         return None
-    digits, _, generation = name[len(MANIFESTS) : -len(".json")].partition(".")
-    if not _STEP.fullmatch(digits) or not (generation == "" or generation.isdigit()):
+    digits, dot, generation = name[len(MANIFESTS) : -len(".json")].partition(".")
+    step = _number(digits, _STEP)
+    number = _number(generation, _GENERATION) if dot else 0
+    if step is None or number is None:
         return None
-    parsed = (int(digits), int(generation or 0))
-    return parsed if manifest_name(*parsed) == name else None
+    return (step, number) if manifest_name(step, number) == name else None
+
+
+def parse_deletions_name(name: str) -> int | None:
+    """The sequence number a valid deletion-record name holds; None for anything else."""
+    if not name.startswith(DELETIONS):
+        return None
+    sequence = _number(name[len(DELETIONS) :], _STEP)
+    return sequence if sequence is not None and deletions_name(sequence) == name else None
 
 
 @dataclass
@@ -142,9 +181,18 @@ def list_files(objects: ObjectStore) -> Listing[str]:
 
 @dataclass
 class ManifestListing(Listing[int]):
-    """The manifests by step (``found``: each step's newest generation), and their generations."""
+    """The manifests by step (``found``: each step's newest generation), and their generations.
+
+    As ``list_manifests`` returns it, every name is counted; ``format.deletions.list_manifests``
+    leaves out the generations a deletion buried (``buried``: their names) and says which
+    steps were deleted at which generation (``deleted``)."""
 
     generations: dict[int, list[int]] = field(default_factory=dict)
+    deletion_records: dict[int, ObjectInfo] = field(default_factory=dict)  # by sequence number
+    deleted: dict[int, int] = field(default_factory=dict)
+    buried: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # deletion records passed over, and why
+    unreadable: list[str] = field(default_factory=list)  # their names
 
     def generation(self, step: int) -> int:
         """The generation of ``step``'s record (its newest manifest)."""
@@ -158,10 +206,21 @@ def generations_of(objects: ObjectStore, step: int) -> list[int]:
 
 
 def list_manifests(objects: ObjectStore) -> ManifestListing:
-    """Every step's newest manifest by step, every generation found, and the stray names."""
-    by_name = _listing(objects, MANIFESTS, parse_manifest_name)
+    """Every step's newest manifest by step, every generation found, the deletion records, and
+    the stray names; deletions not applied (``format.deletions.list_manifests`` applies them)."""
+
+    def parse(name: str) -> tuple[int, int] | int | None:
+        return parse_manifest_name(name) if name.endswith(".json") else parse_deletions_name(name)
+
+    by_name = _listing(objects, MANIFESTS, parse)
     listing = ManifestListing(stray=by_name.stray)
-    for (step, generation), info in sorted(by_name.found.items()):
+    manifests = {}
+    for parsed, info in by_name.found.items():
+        if isinstance(parsed, tuple):
+            manifests[parsed] = info
+        else:
+            listing.deletion_records[parsed] = info
+    for (step, generation), info in sorted(manifests.items(), key=lambda item: item[0]):
         listing.found[step] = info  # sorted: the newest generation wins
         listing.generations.setdefault(step, []).append(generation)
     return listing

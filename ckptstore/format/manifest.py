@@ -50,7 +50,8 @@ _LENGTH = struct.Struct("<I")
 
 def _body(record: StepRecord) -> dict:
     """The JSON fields both formats share. Update statistics, files, the counts of what the
-    commit added, metrics and the weights-only mark are encoded only when present (readers of older manifests ignore keys they lack)."""
+    commit added, metrics, the weights-only mark and the generation a commit after a deletion
+    supersedes are encoded only when present (readers of older manifests ignore keys they lack)."""
     body = {
         "step": record.step,
         "created_at": record.created_at,
@@ -71,6 +72,8 @@ def _body(record: StepRecord) -> dict:
         body["metrics"] = sorted([name, value] for name, value in record.metrics.items())
     if record.weights_only:
         body["weights_only"] = True
+    if record.supersedes is not None:
+        body["supersedes"] = record.supersedes
     return body
 
 
@@ -206,4 +209,5 @@ def _record(body: dict, indexes: bytes, lazy: bool = False) -> StepRecord:
             str(name): None if value is None else float(value) for name, value in body.get("metrics", [])
         },
         weights_only=body.get("weights_only") is True,
+        supersedes=None if body.get("supersedes") is None else int(body["supersedes"]),
     )

@@ -21,11 +21,17 @@ from . import Data, ObjectInfo, ObjectStore
 from .local import LocalObjectStore
 
 SHARES = "tier/shares/"
+UPLOADED = "tier/uploaded/"
 
 
 def share_name(step: int, rank: int) -> str:
     """Where the local tier lists rank ``rank``'s objects of ``step`` (``note_share``)."""
     return f"{SHARES}{step:012d}/{rank}.json"
+
+
+def uploaded_name(step: int) -> str:
+    """The local tier's mark that ``step`` is in the remote store (``ckptstore.tier.upload``)."""
+    return f"{UPLOADED}{step:012d}"
 
 
 class TieredObjectStore(ObjectStore):
@@ -125,6 +131,8 @@ class TieredObjectStore(ObjectStore):
     def note_share(self, step: int, rank: int, names: dict[str, int]) -> None:
         name = share_name(step, rank)
         self.local.delete(name)  # a failed commit of the same step may have left an older list
+        # A step deleted and committed again: what this tier uploaded of the old one is not it.
+        self.local.delete_many([uploaded_name(step), name.removesuffix(".json") + ".done"])
         self.local.put_if_absent(name, json.dumps(names, sort_keys=True).encode())
 
     def __repr__(self) -> str:

@@ -159,12 +159,11 @@ class Tier:
 
     def pending(self) -> list[PendingStep]:
         """The steps not in the remote store yet, oldest first, with their size and last error."""
-        from ..catalog.sync import read_manifest
-        from .upload import object_names, read_share
+        from .upload import object_names, read_local_manifest, read_share
 
         sizes: dict[int, int] = {}
         for step in pending_steps(self.local):
-            sizes[step] = sum(object_names(read_manifest(self.local, step)).values())
+            sizes[step] = sum(object_names(read_local_manifest(self.local, step)).values())
         for step, rank in pending_shares(self.local):  # a node whose tier lacks the manifest
             if step not in sizes:
                 sizes[step] = sum(read_share(self.local, step, rank).values())

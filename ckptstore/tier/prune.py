@@ -49,7 +49,7 @@ def prune(local: ObjectStore, keep: int) -> PruneReport:
         needed: set[str] = set()
         for step in kept:
             if step in manifests.found:
-                needed.update(object_names(read_manifest(local, step)))
+                needed.update(object_names(read_manifest(local, step, manifests.generation(step))))
         for step, rank in share_lists(local):
             if step in kept:
                 needed.update(read_share(local, step, rank))
@@ -75,5 +75,4 @@ def prune(local: ObjectStore, keep: int) -> PruneReport:
 
 
 def _share_step(name: str) -> int | None:
-    step = name[len(SHARES) :].partition("/")[0]
-    return int(step) if step.isdigit() else None
+    return layout.parse_number(name[len(SHARES) :].partition("/")[0])

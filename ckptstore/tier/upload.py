@@ -28,30 +28,29 @@ from ..errors import ConflictError, CorruptError, NotFoundError
 from ..format import layout
 from ..model import StepRecord
 from ..objects import ObjectStore
-from ..objects.tiered import SHARES, share_name
+from ..objects.tiered import SHARES, UPLOADED, share_name, uploaded_name
 
-UPLOADED = "tier/uploaded/"
-
-
-def uploaded_name(step: int) -> str:
-    """The local tier's mark that ``step`` is in the remote store."""
-    return f"{UPLOADED}{step:012d}"
+__all__ = ["UPLOADED", "uploaded_name"]
 
 
 def uploaded_steps(local: ObjectStore) -> set[int]:
     """The steps the local tier has uploaded (and marked so)."""
-    return {
-        int(info.name[len(UPLOADED) :])
-        for info in local.list(UPLOADED)
-        if info.name[len(UPLOADED) :].isdigit()
-    }
+    steps = (layout.parse_number(info.name[len(UPLOADED) :]) for info in local.list(UPLOADED))
+    return {step for step in steps if step is not None}
 
 
 def local_steps(local: ObjectStore) -> list[int]:
     """The steps committed to the local tier whose manifest it still holds, ascending."""
-    return sorted(
-        step for step, generations in layout.list_manifests(local).generations.items() if 0 in generations
-    )
+    return sorted(layout.list_manifests(local).generations)
+
+
+def read_local_manifest(local: ObjectStore, step: int) -> StepRecord:
+    """``step``'s record as the local tier holds it: its newest manifest there (a step deleted
+    and committed again is a newer generation, ``format.deletions``). NotFoundError if none."""
+    generations = layout.generations_of(local, step)
+    if not generations:
+        raise NotFoundError(f"the local tier {local.uri} holds no manifest of step {step}")
+    return read_manifest(local, step, generations[-1])
 
 
 def pending_steps(local: ObjectStore) -> list[int]:
@@ -82,8 +81,9 @@ def _shares(local: ObjectStore) -> tuple[set[tuple[int, int]], set[tuple[int, in
     for info in local.list(SHARES):
         step, _, leaf = info.name[len(SHARES) :].partition("/")
         rank, _, kind = leaf.partition(".")
-        if step.isdigit() and rank.isdigit() and kind in ("json", "done"):
-            (found if kind == "json" else done).add((int(step), int(rank)))
+        step, rank = layout.parse_number(step), layout.parse_number(rank)
+        if step is not None and rank is not None and kind in ("json", "done"):
+            (found if kind == "json" else done).add((step, rank))
     return found, done
 
 
@@ -156,7 +156,8 @@ def upload_step(
     commit of ``step``, and what the object stores raise (StorageError when the remote cannot
     be reached): nothing is published then, and uploading again later goes on from there.
     """
-    record = read_manifest(local, step)
+    record = read_local_manifest(local, step)
+    generation = layout.generations_of(local, step)[-1]
     report = StepUpload(step)
     names = object_names(record)
     if ranks is not None:
@@ -169,7 +170,7 @@ def upload_step(
             return report
         names = {name: size for name, size in names.items() if name not in others}
     _copy_all(local, remote, step, names, report, progress)
-    name = layout.manifest_name(step)
+    name = layout.manifest_name(step, generation)
     data = local.get(name)
     if not remote.put_if_absent(name, data, single_request=True) and remote.get(name) != data:
         raise ConflictError(
