@@ -260,3 +260,75 @@ def test_a_store_opens_only_with_the_key_it_was_created_with(tmp_path, run, monk
     monkeypatch.setenv("CKPTSTORE_KEY_FILE", str(key_file))
     assert run("--store", tmp_path / "keyed", "log").returncode == 0
     ckptstore.open(tmp_path / "keyed").close()
+
+
+def catalog_folder(cache) -> object:
+    """The one per-store folder a store's catalog made under the cache ``cache``."""
+    (folder,) = [path for path in cache.iterdir() if path.is_dir()]
+    return folder
+
+
+def test_a_keyed_store_refuses_a_cache_others_can_write_and_a_store_without_a_key_does_not(
+    where, tmp_path, monkeypatch, run
+):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(cache))
+    ckptstore.open(where, key=KEY).close()
+    folder = catalog_folder(cache)
+    assert (cache.stat().st_mode & 0o777, folder.stat().st_mode & 0o777) == (0o700, 0o700)  # made private
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o600)
+    for path, mode in ((cache, 0o775), (folder, 0o1777), (folder / "catalog.db", 0o666)):
+        before = path.stat().st_mode & 0o7777
+        path.chmod(mode)
+        with pytest.raises(
+            BadInputError, match=f"is writable by its group or others .*: run `chmod go-w {path}`"
+        ):
+            ckptstore.open(where, key=KEY)
+        refused = run("--store", where, "--key-file", key_file, "log")
+        assert refused.returncode == 2 and f"chmod go-w {path}" in refused.stderr
+        ckptstore.open(f"{where}-plain").close()  # a store without a key trusts its store, not the cache
+        path.chmod(before)
+    assert run("--store", where, "--key-file", key_file, "log").returncode == 0
+
+
+def test_a_sticky_folder_above_the_cache_is_fine_and_another_users_cache_is_not(tmp_path, monkeypatch):
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp: others cannot rename or remove what this user makes in it
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(shared / "cache"))
+    ckptstore.open(tmp_path / "store", key=KEY).close()
+    shared.chmod(0o777)
+    with pytest.raises(
+        BadInputError, match=f"a folder above the catalog folder is writable .*`chmod go-w {shared}`"
+    ):
+        ckptstore.open(tmp_path / "store", key=KEY)
+    shared.chmod(0o1777)
+    if os.geteuid() == 0:  # giving a folder to another user takes root
+        os.chown(shared / "cache", 65534, 65534)
+        with pytest.raises(BadInputError, match=f"{shared / 'cache'} belongs to another user"):
+            ckptstore.open(tmp_path / "store", key=KEY)
+
+
+def test_a_keyed_store_refuses_a_local_tier_others_can_write(s3, tmp_path):
+    tier = tmp_path / "tier"
+    ckptstore.open(s3.uri(), key=KEY, local=tier).close()
+    assert tier.stat().st_mode & 0o777 == 0o700
+    tier.chmod(0o770)
+    with pytest.raises(BadInputError, match=f"the local tier is writable .* `chmod go-w {tier}`"):
+        ckptstore.open(s3.uri(), key=KEY, local=tier)
+    plain = tmp_path / "plain-tier"
+    plain.mkdir(mode=0o777)
+    plain.chmod(0o777)
+    ckptstore.open(s3.uri("plain"), local=plain).close()
+
+
+@pytest.mark.parametrize("mode", [0o620, 0o602, 0o640, 0o604])
+def test_a_key_file_group_or_others_may_read_or_write_is_refused(tmp_path, monkeypatch, mode):
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(mode)
+    monkeypatch.setenv("CKPTSTORE_KEY_FILE", str(key_file))
+    with pytest.raises(BadInputError, match=f"readable or writable by others .* `chmod 600 {key_file}`"):
+        ckptstore.open(tmp_path / "store")

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import auxfiles, knobs
+from .. import auxfiles, knobs, private
 from ..errors import BadInputError, CorruptError, NotFoundError, StorageError, UnsupportedError, storage_error
 from ..format import layout, manifest
 from ..model import StepRecord
@@ -248,6 +248,7 @@ def open_catalog(objects: ObjectStore) -> Catalog:
     ``CKPTSTORE_CACHE`` that cannot hold a folder (a file in the way).
     """
     path = catalog_path(objects)
+    _require_private(path, objects)
     try:
         catalog = _open_writable(path, objects)
     except StorageError as exc:
@@ -262,6 +263,16 @@ def open_catalog(objects: ObjectStore) -> Catalog:
     catalog.loader = lambda steps: load_steps(catalog, objects, steps)
     catalog.trusts_listing = not objects.content_hash.authenticated
     return catalog
+
+
+def _require_private(path: Path, objects: ObjectStore) -> None:
+    """With a key, the catalog at ``path`` is in a folder only this user can change (``private``):
+    its rows decide what a read uses. BadInputError naming the fix otherwise."""
+    if objects.content_hash.authenticated:
+        private.make_folder(path.parent)
+        private.require_private(
+            path.parent, "the catalog folder", files=[path.name, f"{path.name}-wal", f"{path.name}-shm"]
+        )
 
 
 def _open_writable(path: Path, objects: ObjectStore) -> Catalog:
@@ -306,6 +317,7 @@ def rebuild(path: Path, objects: ObjectStore, *, keep_damaged: bool = True) -> S
     has the catalog open. StorageError (nothing replaced) when it cannot be written.
     """
     path = Path(path)
+    _require_private(path, objects)
     with storage_faults(path, "rebuild the catalog"):
         return _rebuild(path, objects, keep_damaged)
 
