@@ -105,9 +105,11 @@ def thin(
     gone = {
         (row.step, row.layer, row.name, row.kind, row.start) for rows in dropped_rows.values() for row in rows
     }
+    records = []
     for step in changed:
         record = read_manifest(objects, step, generations[step])
         _rewrite(record, thinned, gone)
+        records.append(record)
         # Above every generation stored, not only the one read: in a store with a key a newer
         # one may be a forgery the catalog passed over, and must not stay the newest.
         generation = max([generations[step], *layout.generations_of(objects, step)]) + 1
@@ -118,7 +120,7 @@ def thin(
         ):
             raise ConflictError(f"step {step} got a new manifest generation {generation} while gc rewrote it")
     catalog.record_weights_only(
-        list(thinned.values()), [row for rows in dropped_rows.values() for row in rows], changed
+        list(thinned.values()), [row for rows in dropped_rows.values() for row in rows], records
     )
     objects.delete_many(
         [manifest_name(step, generation) for step in changed for generation in range(generations[step] + 1)]

@@ -226,11 +226,11 @@ def test_a_planted_catalog_cannot_change_a_step_with_a_key(tmp_path, zero1_engin
                 "WHERE step = 4 AND layer = ?",
                 (LAYER, LAYER),
             )
-        weights = open_store(uri, keyed).state_dict(4)
         if keyed:
-            assert same_weights(weights, truth[4])
-        else:  # without a key the catalog's rows are believed
-            assert same_weights(layer_weights(weights), layer_weights(truth[2]))
+            assert same_weights(open_store(uri, keyed).state_dict(4), truth[4])
+        else:  # without a key the rows no longer match the digest kept with them
+            with pytest.raises(CorruptError, match="rows of step 4 are not what its manifest says"):
+                open_store(uri, keyed).state_dict(4)
 
 
 def test_a_store_opens_only_with_the_key_it_was_created_with(tmp_path, run, monkeypatch):
@@ -332,3 +332,84 @@ def test_a_key_file_group_or_others_may_read_or_write_is_refused(tmp_path, monke
     monkeypatch.setenv("CKPTSTORE_KEY_FILE", str(key_file))
     with pytest.raises(BadInputError, match=f"readable or writable by others .* `chmod 600 {key_file}`"):
         ckptstore.open(tmp_path / "store")
+
+
+def flip_lr(description: str) -> str:
+    """``description`` with one digit of its first learning rate changed (``"lr":0.005`` -> ``0.006``)."""
+    at = description.index('"lr":') + len('"lr":')
+    at += next(i for i, c in enumerate(description[at:]) if c in "123456789")
+    return description[:at] + str(int(description[at]) % 9 + 1) + description[at + 1 :]
+
+
+def test_a_flipped_byte_in_a_steps_catalog_rows_is_refused_until_the_catalog_is_rebuilt(
+    committed, keyed, tmp_path
+):
+    uri, truth = committed
+    store = open_store(uri, keyed)
+    path = store.catalog.path
+    store.close()
+    with sqlite3.connect(path) as db:
+        (description,) = db.execute("SELECT description FROM steps WHERE step = 4").fetchone()
+        db.execute("UPDATE steps SET description = ? WHERE step = 4", [flip_lr(description)])
+        db.execute("UPDATE metrics SET value = 0.5 WHERE step = 2")
+
+    store = open_store(uri, keyed)
+    for read in (lambda: store.state_dict(4), lambda: store.materialize(4, tmp_path / "out")):
+        with pytest.raises(CorruptError, match="catalog's rows of step 4 are not what its manifest says"):
+            read()
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CorruptError, match="rows of step 4"):  # gc decides from every step's rows
+        store.gc(keep_last=1, grace=0)
+    problems = store.verify(deep=False).manifest_problems
+    assert len(problems) == 1 and "says other than the catalog about the description" in problems[0]
+    store.close()
+
+    ckptstore.rebuild_catalog(uri, key=KEY if keyed else None)
+    store = open_store(uri, keyed)
+    assert same_weights(store.state_dict(4), truth[4]) and store.verify(deep=False).ok
+    store.close()
+
+
+def test_rows_rewritten_with_a_matching_plain_digest_are_refused_with_a_key(committed, keyed):
+    from ckptstore.catalog import digests
+    from ckptstore.hashing import PLAIN
+
+    uri, truth = committed
+    store = open_store(uri, keyed)
+    path = store.catalog.path
+    store.close()
+    with sqlite3.connect(path) as db:  # as a catalog writer without the key: the digest made anew
+        (description,) = db.execute("SELECT description FROM steps WHERE step = 4").fetchone()
+        db.execute("UPDATE steps SET description = ? WHERE step = 4", [flip_lr(description)])
+    with sqlite3.connect(path) as db:
+        wrapped = type("Db", (), {"execute": lambda self, *a: db.execute(*a)})()
+        forged = digests.of_parts(digests.row_parts(wrapped, 4), 4, 0, PLAIN)
+        db.execute("UPDATE steps SET rows_digest = ? WHERE step = 4", [forged])
+
+    store = open_store(uri, keyed)
+    if keyed:
+        with pytest.raises(CorruptError, match="rows of step 4"):
+            store.state_dict(4)
+    else:  # without a key a digest catches accidents, not a writer: the rows are believed
+        assert store.catalog.description(4) == flip_lr(description)
+
+
+def test_rows_recorded_before_digests_are_checked_against_the_manifest_once(committed, keyed):
+    uri, truth = committed
+    store = open_store(uri, keyed)
+    path = store.catalog.path
+    store.close()
+    with sqlite3.connect(path) as db:  # as a catalog an older ckptstore wrote
+        db.execute("UPDATE steps SET rows_digest = NULL")
+        (description,) = db.execute("SELECT description FROM steps WHERE step = 4").fetchone()
+        db.execute("UPDATE steps SET description = ? WHERE step = 4", [flip_lr(description)])
+
+    store = open_store(uri, keyed)
+    assert same_weights(store.state_dict(2), truth[2])
+    with pytest.raises(CorruptError, match="rows of step 4"):
+        store.state_dict(4)
+    store.close()
+    with sqlite3.connect(path) as db:  # the manifest's digest, kept: step 4's rows still do not match it
+        assert db.execute("SELECT count(*) FROM steps WHERE rows_digest IS NULL").fetchone() == (0,)
+    with pytest.raises(CorruptError, match="rows of step 4"):
+        open_store(uri, keyed).state_dict(4)

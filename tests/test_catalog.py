@@ -14,9 +14,9 @@ def record(catalog, step, sources):
         StepRecord(
             step=step, created_at="2026-01-01T00:00:00+00:00", world_size=1, description="{}",
             layer_sources=sources,
-            tensors=[TensorRow(step, layer, f"{layer}.w", "fp32", 0, 4, f"k{step}{layer}")
-                     for layer, source in sources.items() if source == step],
-            blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer, source in sources.items() if source == step],
+            tensors=[TensorRow(source, layer, f"{layer}.w", "fp32", 0, 4, f"k{source}{layer}")
+                     for layer, source in sources.items()],
+            blobs=[BlobRow(f"k{source}{layer}", 10, 16) for layer, source in sources.items()],
             added=(1, 10),
         ),
     )  # fmt: skip

@@ -10,15 +10,17 @@ every listed step had been imported.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..errors import ConflictError, CorruptError, NotFoundError, StorageError
 from ..format import layerpacks
+from ..hashing import PLAIN, ContentHash
 from ..layers import layer_of
 from ..model import BlobRow, StepRecord, group_by_source
-from . import database
+from . import database, digests
 from .metrics import MetricQueries
 from .packs import LayerPackQueries
 from .steps import StepQueries
@@ -47,6 +49,14 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         #: key: a store writer without the key can add a manifest, and only reading it tells
         #: whether it is authentic, so every listed step is imported before steps are answered.
         self.trusts_listing = True
+        #: The store's content hash: with a key, the digests kept with each step's rows are tags
+        #: under it (``digests``).
+        self.content_hash: ContentHash = PLAIN
+        #: Step, generation -> the parts of the rows its manifest gives (``digests.record_parts``):
+        #: how the rows of a step recorded before digests were kept are checked, once.
+        self.manifest_parts: Callable[[int, int], digests.Parts] | None = None
+        self._checked: set[int] = set()  # steps whose rows matched their digest in this process
+        self._checked_units: set[tuple[int, str]] = set()  # (source, layer) indexes those steps use
         self.db = database.snapshot(self.path) if read_only else database.connect(self.path)
 
     def require_writable(self, verb: str) -> None:
@@ -150,6 +160,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         return steps[-1] if steps else None
 
     def _require(self, step: int) -> None:
+        """Import ``step`` if it is only listed and check its rows (``check_rows``) before a
+        read uses them; NotFoundError if there is no such step, CorruptError if its manifest
+        cannot be read or its rows are not its manifest's."""
         self.load([step])
         if not self.is_recorded(step):
             if step in self.unreadable:
@@ -157,6 +170,87 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
             known = self.steps()
             hint = f"; committed steps: {_summary(known)}" if known else "; the store has no steps yet"
             raise NotFoundError(f"step {step} does not exist{hint}")
+        self.check_rows([step])
+
+    def check_rows(self, steps: Iterable[int]) -> None:
+        """CorruptError naming the first of ``steps`` whose rows (description, layers, files,
+        metrics, every layer index it uses) are not those its manifest gave: their digest
+        differs from the one recorded with them (``digests``). Each step is checked once per
+        catalog; steps not recorded are passed over. A step recorded before digests were kept
+        is compared with its manifest (``manifest_parts``) and its digest kept."""
+        memo: dict[tuple[int, str], bytes] = {}
+        for step in steps:
+            if step in self._checked:
+                continue
+            with self._snapshot():  # the step's rows as one transaction wrote them
+                row = self.db.execute(
+                    "SELECT generation, rows_digest FROM steps WHERE step = ?", [step]
+                ).fetchone()
+                if row is None:
+                    continue
+                generation, recorded = row
+                found = digests.of_parts(
+                    digests.row_parts(self.db, step, memo), step, generation, self.content_hash
+                )
+                units = self.db.execute(
+                    "SELECT source_step, layer FROM layers WHERE step = ?", [step]
+                ).fetchall()
+            if recorded is None:
+                recorded = self._digest_from_manifest(step, generation)
+            if recorded is not None and not hmac.compare_digest(found, bytes(recorded)):
+                raise CorruptError(
+                    f"the catalog's rows of step {step} are not what its manifest says (the catalog "
+                    f"{self.path} was changed or damaged): run `ckptstore catalog rebuild`"
+                )
+            self._checked.add(step)
+            self._checked_units.update(units)
+
+    def _check_units(self, source: int, layers: Iterable[str] | None) -> None:
+        """Check the rows of the steps that use the indexes ``source`` saved of ``layers`` (all:
+        None), unless a step checked already covers them (``check_rows``)."""
+        sql = "SELECT DISTINCT step, layer FROM layers WHERE source_step = ?"
+        users = self.db.execute(sql, [source]).fetchall()
+        wanted = None if layers is None else set(layers)
+        self.check_rows(
+            sorted(
+                {
+                    step
+                    for step, layer in users
+                    if (wanted is None or layer in wanted) and (source, layer) not in self._checked_units
+                }
+            )
+        )
+
+    def _digest_from_manifest(self, step: int, generation: int) -> bytes | None:
+        """The digest of ``step``'s rows as its manifest of ``generation`` gives them, kept with
+        them from now on; None where this catalog cannot read manifests (opened on its own)."""
+        if self.manifest_parts is None:
+            return None
+        digest = digests.of_parts(self.manifest_parts(step, generation), step, generation, self.content_hash)
+        with contextlib.suppress(StorageError):  # a catalog that cannot be written compares again next time
+            with self.write_transaction():
+                self.db.execute(
+                    "UPDATE steps SET rows_digest = ? WHERE step = ? AND generation = ? AND rows_digest IS NULL",
+                    [digest, step, generation],
+                )
+        return digest
+
+    @contextlib.contextmanager
+    def _snapshot(self):
+        # A read transaction: another process's drop and re-import of a step is seen whole or not at all.
+        if self.db.conn.in_transaction:
+            yield
+            return
+        self.db.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self.db.execute("COMMIT")
+
+    def row_parts(self, step: int) -> digests.Parts | None:
+        """The parts of ``step``'s rows (``digests.row_parts``), unchecked: what ``verify``
+        compares with the manifest, field by field. None if the step is not recorded."""
+        return digests.row_parts(self.db, step)
 
     def blob_sizes(self, keys: Iterable[str]) -> dict[str, BlobRow]:
         """Recorded sizes of the given blobs (unknown keys are left out)."""
@@ -256,7 +350,12 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
                 present = (
                     set()
                     if source == step
-                    else {r.layer for r in self.tensors(source, {r.layer for r in source_rows})}
+                    else {
+                        layer
+                        for (layer,) in self.db.execute(
+                            "SELECT DISTINCT layer FROM tensors WHERE step = ?", [source]
+                        )
+                    }
                 )
                 rows.extend(row for row in source_rows if row.layer not in present)
             present_packs = {
@@ -282,6 +381,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
                     "blobs_added": blobs_added,
                     "weights_only": record.weights_only,
                     "generation": generation,
+                    "rows_digest": digests.of_parts(
+                        digests.record_parts(record), step, generation, self.content_hash
+                    ),
                 }
             )
             unmeasured = (None, None)
@@ -323,7 +425,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
 
     def drop_steps(self, steps: Iterable[int]) -> None:
         """Remove step records in one transaction, keeping tensor rows that kept steps inherit."""
-        steps_json = json.dumps(list(steps))
+        steps = list(steps)
+        self._checked.difference_update(steps)
+        steps_json = json.dumps(steps)
         with self.write_transaction():
             self.db.execute("DELETE FROM steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
             self.db.execute("DELETE FROM layers WHERE step IN (SELECT value FROM json_each(?))", [steps_json])

@@ -39,6 +39,7 @@ from ..errors import BadInputError, CorruptError, NotFoundError, StorageError, U
 from ..format import layout, manifest
 from ..model import StepRecord
 from ..objects import ObjectStore
+from . import digests
 from .database import storage_faults
 from .index import Catalog
 
@@ -227,6 +228,7 @@ def load_every_step(catalog: Catalog, objects: ObjectStore) -> None:
     sync(catalog, objects)
     pending = catalog.pending_steps()
     report = load_steps(catalog, objects, pending) if pending else SyncReport()
+    catalog.check_rows(catalog.recorded_steps())  # gc decides from the rows: they are the manifests'
     if report.corrupt:
         more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
         raise CorruptError(
@@ -262,6 +264,10 @@ def open_catalog(objects: ObjectStore) -> Catalog:
             raise
     catalog.loader = lambda steps: load_steps(catalog, objects, steps)
     catalog.trusts_listing = not objects.content_hash.authenticated
+    catalog.content_hash = objects.content_hash
+    catalog.manifest_parts = lambda step, generation: digests.record_parts(
+        read_manifest(objects, step, generation)
+    )
     return catalog
 
 
@@ -330,6 +336,7 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
     stored = {**layout.list_blobs(objects).found, **layout.list_packs(objects).found}
     listing = layout.list_manifests(objects)
     catalog = Catalog(fresh)
+    catalog.content_hash = objects.content_hash
     try:
         for record, generation in _fetch_all(
             objects, {s: listing.generation(s) for s in listing.found}, report
