@@ -182,51 +182,60 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         for step in steps:
             if step in self._checked:
                 continue
-            with self._snapshot():  # the step's rows as one transaction wrote them
-                row = self.db.execute(
-                    "SELECT generation, rows_digest FROM steps WHERE step = ?", [step]
-                ).fetchone()
-                if row is None:
-                    continue
-                generation, recorded = row
-                found = digests.of_parts(
-                    digests.row_parts(self.db, step, memo), step, generation, self.content_hash
-                )
-                units = self.db.execute(
-                    "SELECT source_step, layer FROM layers WHERE step = ?", [step]
-                ).fetchall()
-            if recorded is None:
-                recorded = self._digest_from_manifest(step, generation)
-            if recorded is not None and not hmac.compare_digest(found, bytes(recorded)):
-                raise CorruptError(
-                    f"the catalog's rows of step {step} are not what its manifest says (the catalog "
-                    f"{self.path} was changed or damaged): run `ckptstore catalog rebuild`"
-                )
-            self._checked.add(step)
-            self._checked_units.update(units)
+            # No transaction around the reads (a background commit may hold this connection's):
+            # rows another process replaced meanwhile are read again once before they count.
+            for attempt in (0, 1):
+                found = self._rows_digest(step, memo if attempt == 0 else {})
+                if found is None:
+                    break
+                generation, digest, recorded = found
+                if recorded is None:
+                    recorded = self._digest_from_manifest(step, generation)
+                if recorded is None or hmac.compare_digest(digest, bytes(recorded)):
+                    break
+                if attempt:
+                    raise CorruptError(
+                        f"the catalog's rows of step {step} are not what its manifest says (the catalog "
+                        f"{self.path} was changed or damaged): run `ckptstore catalog rebuild`"
+                    )
+            if found is not None:
+                self._checked.add(step)
+                sql = "SELECT source_step, layer FROM layers WHERE step = ?"
+                self._checked_units.update(self.db.execute(sql, [step]).fetchall())
 
-    def _check_units(self, source: int, layers: Iterable[str] | None) -> None:
-        """Check the rows of the steps that use the indexes ``source`` saved of ``layers`` (all:
-        None), unless a step checked already covers them (``check_rows``)."""
-        sql = "SELECT DISTINCT step, layer FROM layers WHERE source_step = ?"
-        users = self.db.execute(sql, [source]).fetchall()
+    def _rows_digest(
+        self, step: int, memo: dict[tuple[int, str], bytes]
+    ) -> tuple[int, bytes, bytes | None] | None:
+        """(generation, digest of the rows now, digest recorded with them) of ``step``; None if
+        it is not recorded."""
+        row = self.db.execute("SELECT generation, rows_digest FROM steps WHERE step = ?", [step]).fetchone()
+        parts = digests.row_parts(self.db, step, memo)
+        if row is None or parts is None:
+            return None
+        return row[0], digests.of_parts(parts, step, row[0], self.content_hash), row[1]
+
+    def _check_units(self, source: int, layers: list[str] | None) -> None:
+        """Check (``check_rows``) a step that uses each index ``source`` saved of ``layers``
+        (all: None) that no step checked already covers."""
+        if layers is not None and all((source, layer) in self._checked_units for layer in layers):
+            return
         wanted = None if layers is None else set(layers)
-        self.check_rows(
-            sorted(
-                {
-                    step
-                    for step, layer in users
-                    if (wanted is None or layer in wanted) and (source, layer) not in self._checked_units
-                }
-            )
-        )
+        users: dict[str, int] = {}
+        for step, layer in self.db.execute("SELECT step, layer FROM layers WHERE source_step = ?", [source]):
+            if (wanted is None or layer in wanted) and (source, layer) not in self._checked_units:
+                users[layer] = min(step, users.get(layer, step))
+        self.check_rows(sorted(set(users.values())))
 
     def _digest_from_manifest(self, step: int, generation: int) -> bytes | None:
         """The digest of ``step``'s rows as its manifest of ``generation`` gives them, kept with
         them from now on; None where this catalog cannot read manifests (opened on its own)."""
         if self.manifest_parts is None:
             return None
-        digest = digests.of_parts(self.manifest_parts(step, generation), step, generation, self.content_hash)
+        try:
+            parts = self.manifest_parts(step, generation)
+        except NotFoundError as exc:
+            raise CorruptError(f"the catalog's rows of step {step} cannot be checked: {exc}") from None
+        digest = digests.of_parts(parts, step, generation, self.content_hash)
         with contextlib.suppress(StorageError):  # a catalog that cannot be written compares again next time
             with self.write_transaction():
                 self.db.execute(
@@ -234,18 +243,6 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
                     [digest, step, generation],
                 )
         return digest
-
-    @contextlib.contextmanager
-    def _snapshot(self):
-        # A read transaction: another process's drop and re-import of a step is seen whole or not at all.
-        if self.db.conn.in_transaction:
-            yield
-            return
-        self.db.execute("BEGIN")
-        try:
-            yield
-        finally:
-            self.db.execute("COMMIT")
 
     def row_parts(self, step: int) -> digests.Parts | None:
         """The parts of ``step``'s rows (``digests.row_parts``), unchecked: what ``verify``
@@ -364,6 +361,12 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
                 for (layer,) in self.db.execute("SELECT layer FROM layer_packs WHERE step = ?", [source])
             }
             new_packs = [i for i in record.packs.values() if (i.step, i.layer) not in present_packs]
+            # Whether every row the step uses is written here, from the record: none to check then.
+            written_here = (
+                len(rows) == len(record.tensors)
+                and len(new_packs) == len(record.packs)
+                and self.db.execute("SELECT 1 FROM tensors WHERE step = ? LIMIT 1", [step]).fetchone() is None
+            )
             if record.added is not None:
                 blobs_added, bytes_added = record.added
             else:
@@ -421,6 +424,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
             self.db["metrics"].insert_all(
                 {"step": step, "name": name, "value": value} for name, value in record.metrics.items()
             )
+        if written_here:
+            self._checked.add(step)
+            self._checked_units.update((source, layer) for layer, source in record.layer_sources.items())
         return True
 
     def drop_steps(self, steps: Iterable[int]) -> None:
