@@ -21,18 +21,19 @@ HOW_TO_PASS = f"pass key=... to ckptstore.open, set {KEY_FILE_VARIABLE}, or give
 
 def read_key_file(path: str | os.PathLike) -> bytes:
     """The key held in the file at ``path``: its bytes exactly (at least 32). BadInputError
-    naming the file if it is missing, not a regular file, readable by its group or others
-    (``chmod 600`` it), or too short."""
+    naming the file if it is missing, not a regular file, readable or writable by its group or
+    others (``chmod 600`` it), or too short."""
     path = Path(path).expanduser()
     try:
         with open(path, "rb") as handle:
             mode = os.fstat(handle.fileno()).st_mode
             if not stat.S_ISREG(mode):
                 raise BadInputError(f"the key file {path} is not a regular file")
-            if mode & (stat.S_IRGRP | stat.S_IROTH):
+            if mode & (stat.S_IRGRP | stat.S_IROTH | stat.S_IWGRP | stat.S_IWOTH):
                 raise BadInputError(
-                    f"the key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): "
-                    f"run `chmod 600 {path}`; anyone who reads the key can forge the store's checkpoints"
+                    f"the key file {path} is readable or writable by others (mode {stat.S_IMODE(mode):o}): "
+                    f"run `chmod 600 {path}`; anyone who reads the key can forge the store's checkpoints, "
+                    "and anyone who writes it can put in a key of their own"
                 )
             key = handle.read(1 << 20)
     except OSError as exc:

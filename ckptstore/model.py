@@ -178,6 +178,9 @@ class LayerPacks:
     packs: list[PackRef]
     tensors: list[tuple[str, str, str]]
     fragments: np.ndarray  # int64, shape (n, 4)
+    # Its bytes (format.layerpacks.encode), once decoded from or encoded to them: an index is
+    # never changed once built, and compressing one again costs tens of milliseconds.
+    encoded: bytes | None = field(default=None, repr=False)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LayerPacks):

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
-from . import knobs
+from . import knobs, private
 from .arguments import check_path
 from .catalog import sync
 from .errors import BadInputError, CkptStoreError, StorageError, require_int
@@ -200,6 +201,9 @@ def _open_tier(
     """The local tier at ``path`` in front of ``remote``, paired with it."""
     keep = require_int(keep, "local_keep", minimum=0, maximum=1_000_000)
     max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0, maximum=knobs.MAX_BYTES)
+    if remote.content_hash.authenticated:  # the tier's objects, pairing and catalog are trusted
+        private.make_folder(Path(path).expanduser().absolute())
+        private.require_private(path, "the local tier")
     local = LocalObjectStore(path, create=True)
     local.content_hash = remote.content_hash
     if getattr(remote, "root", None) == local.root:

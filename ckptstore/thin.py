@@ -106,9 +106,11 @@ def thin(
         (row.step, row.layer, row.name, row.kind, row.start) for rows in dropped_rows.values() for row in rows
     }
     older: list[str] = []
+    records = []
     for step in changed:
         record = read_manifest(objects, step, generations[step])
         _rewrite(record, thinned, gone)
+        records.append(record)
         # Above every generation stored, not only the one read: in a store with a key a newer
         # one may be a forgery the catalog passed over, and must not stay the newest.
         stored = layout.generations_of(objects, step)
@@ -121,7 +123,7 @@ def thin(
         ):
             raise ConflictError(f"step {step} got a new manifest generation {generation} while gc rewrote it")
     catalog.record_weights_only(
-        list(thinned.values()), [row for rows in dropped_rows.values() for row in rows], changed
+        list(thinned.values()), [row for rows in dropped_rows.values() for row in rows], records
     )
     objects.delete_many(older)  # the names listed, not every number below: generations may be far apart
     return report

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import auxfiles, knobs
-from .catalog import Catalog, sync
+from .catalog import Catalog, digests, sync
 from .catalog.sync import read_authentic_manifest
 from .dcp import dcp_description
 from .dcp.directory import refused_bytes_items
@@ -460,15 +460,23 @@ def _rolled_back(
 
 
 def _disagreement(catalog: Catalog, step: int, record: StepRecord | None) -> str | None:
-    """How the catalog's rows of ``step`` differ from its manifest's ``record``, if they do."""
+    """How the catalog's rows of ``step`` differ from its manifest's ``record``, field by field
+    (``digests``: description, layers, files, metrics, each layer's index; the sizes of its
+    format-1 blobs and what it added), if they do."""
     if record is None:
         return None
     catalog.load([step])
     if not catalog.is_recorded(step):
         return "is readable, but the catalog could not import it"
-    named = {p.key for index in record.packs.values() for p in index.packs} | {t.blob for t in record.tensors}
-    if named != catalog.packs_of_steps([step]) | catalog.blobs_of_steps([step]):
-        return "names other packs than the catalog does (run `ckptstore catalog rebuild`)"
-    if set(record.files) != set(catalog.files(step)):
-        return "lists other auxiliary files than the catalog does (run `ckptstore catalog rebuild`)"
-    return None
+    differing = digests.differences(digests.record_parts(record), catalog.row_parts(step))
+    blobs = catalog.blob_sizes(b.key for b in record.blobs)
+    differing += [f"the sizes of blob {b.key}" for b in record.blobs if blobs.get(b.key, b) != b]
+    if record.added is not None and catalog.added(step) != record.added:
+        differing.append("what the step added")
+    if not differing:
+        return None
+    more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+    return (
+        f"says other than the catalog about {', '.join(differing[:3])}{more} "
+        "(run `ckptstore catalog rebuild`)"
+    )

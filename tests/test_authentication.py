@@ -226,11 +226,11 @@ def test_a_planted_catalog_cannot_change_a_step_with_a_key(tmp_path, zero1_engin
                 "WHERE step = 4 AND layer = ?",
                 (LAYER, LAYER),
             )
-        weights = open_store(uri, keyed).state_dict(4)
         if keyed:
-            assert same_weights(weights, truth[4])
-        else:  # without a key the catalog's rows are believed
-            assert same_weights(layer_weights(weights), layer_weights(truth[2]))
+            assert same_weights(open_store(uri, keyed).state_dict(4), truth[4])
+        else:  # without a key the rows no longer match the digest kept with them
+            with pytest.raises(CorruptError, match="rows of step 4 are not what its manifest says"):
+                open_store(uri, keyed).state_dict(4)
 
 
 def test_a_store_opens_only_with_the_key_it_was_created_with(tmp_path, run, monkeypatch):
@@ -376,3 +376,156 @@ def test_verify_quarantine_moves_what_stops_gc_aside_and_gc_runs_again(committed
     store = open_store(uri, keyed)
     assert store.steps() == [4] and same_weights(store.state_dict(4), truth[4])
     assert all(objects.exists(f"quarantine/{name}") for name in unreadable)
+
+
+def catalog_folder(cache) -> object:
+    """The one per-store folder a store's catalog made under the cache ``cache``."""
+    (folder,) = [path for path in cache.iterdir() if path.is_dir()]
+    return folder
+
+
+def test_a_keyed_store_refuses_a_cache_others_can_write_and_a_store_without_a_key_does_not(
+    where, tmp_path, monkeypatch, run
+):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(cache))
+    ckptstore.open(where, key=KEY).close()
+    folder = catalog_folder(cache)
+    assert (cache.stat().st_mode & 0o777, folder.stat().st_mode & 0o777) == (0o700, 0o700)  # made private
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(0o600)
+    for path, mode in ((cache, 0o775), (folder, 0o1777), (folder / "catalog.db", 0o666)):
+        before = path.stat().st_mode & 0o7777
+        path.chmod(mode)
+        with pytest.raises(
+            BadInputError, match=f"is writable by its group or others .*: run `chmod go-w {path}`"
+        ):
+            ckptstore.open(where, key=KEY)
+        refused = run("--store", where, "--key-file", key_file, "log")
+        assert refused.returncode == 2 and f"chmod go-w {path}" in refused.stderr
+        ckptstore.open(f"{where}-plain").close()  # a store without a key trusts its store, not the cache
+        path.chmod(before)
+    assert run("--store", where, "--key-file", key_file, "log").returncode == 0
+
+
+def test_a_sticky_folder_above_the_cache_is_fine_and_another_users_cache_is_not(tmp_path, monkeypatch):
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp: others cannot rename or remove what this user makes in it
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(shared / "cache"))
+    ckptstore.open(tmp_path / "store", key=KEY).close()
+    shared.chmod(0o777)
+    with pytest.raises(
+        BadInputError, match=f"a folder above the catalog folder is writable .*`chmod go-w {shared}`"
+    ):
+        ckptstore.open(tmp_path / "store", key=KEY)
+    shared.chmod(0o1777)
+    if os.geteuid() == 0:  # giving a folder to another user takes root
+        os.chown(shared / "cache", 65534, 65534)
+        with pytest.raises(BadInputError, match=f"{shared / 'cache'} belongs to another user"):
+            ckptstore.open(tmp_path / "store", key=KEY)
+
+
+def test_a_keyed_store_refuses_a_local_tier_others_can_write(s3, tmp_path):
+    tier = tmp_path / "tier"
+    ckptstore.open(s3.uri(), key=KEY, local=tier).close()
+    assert tier.stat().st_mode & 0o777 == 0o700
+    tier.chmod(0o770)
+    with pytest.raises(BadInputError, match=f"the local tier is writable .* `chmod go-w {tier}`"):
+        ckptstore.open(s3.uri(), key=KEY, local=tier)
+    plain = tmp_path / "plain-tier"
+    plain.mkdir(mode=0o777)
+    plain.chmod(0o777)
+    ckptstore.open(s3.uri("plain"), local=plain).close()
+
+
+@pytest.mark.parametrize("mode", [0o620, 0o602, 0o640, 0o604])
+def test_a_key_file_group_or_others_may_read_or_write_is_refused(tmp_path, monkeypatch, mode):
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(KEY)
+    key_file.chmod(mode)
+    monkeypatch.setenv("CKPTSTORE_KEY_FILE", str(key_file))
+    with pytest.raises(BadInputError, match=f"readable or writable by others .* `chmod 600 {key_file}`"):
+        ckptstore.open(tmp_path / "store")
+
+
+def flip_lr(description: str) -> str:
+    """``description`` with one digit of its first learning rate changed (``"lr":0.005`` -> ``0.006``)."""
+    at = description.index('"lr":') + len('"lr":')
+    at += next(i for i, c in enumerate(description[at:]) if c in "123456789")
+    return description[:at] + str(int(description[at]) % 9 + 1) + description[at + 1 :]
+
+
+def test_a_flipped_byte_in_a_steps_catalog_rows_is_refused_until_the_catalog_is_rebuilt(
+    committed, keyed, tmp_path
+):
+    uri, truth = committed
+    store = open_store(uri, keyed)
+    path = store.catalog.path
+    store.close()
+    with sqlite3.connect(path) as db:
+        (description,) = db.execute("SELECT description FROM steps WHERE step = 4").fetchone()
+        db.execute("UPDATE steps SET description = ? WHERE step = 4", [flip_lr(description)])
+        db.execute("UPDATE metrics SET value = 0.5 WHERE step = 2")
+
+    store = open_store(uri, keyed)
+    for read in (lambda: store.state_dict(4), lambda: store.materialize(4, tmp_path / "out")):
+        with pytest.raises(CorruptError, match="catalog's rows of step 4 are not what its manifest says"):
+            read()
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CorruptError, match="rows of step 4"):  # gc decides from every step's rows
+        store.gc(keep_last=1, grace=0)
+    problems = store.verify(deep=False).manifest_problems
+    assert len(problems) == 1 and "says other than the catalog about the description" in problems[0]
+    store.close()
+
+    ckptstore.rebuild_catalog(uri, key=KEY if keyed else None)
+    store = open_store(uri, keyed)
+    assert same_weights(store.state_dict(4), truth[4]) and store.verify(deep=False).ok
+    store.close()
+
+
+def test_rows_rewritten_with_a_matching_plain_digest_are_refused_with_a_key(committed, keyed):
+    from ckptstore.catalog import digests
+    from ckptstore.hashing import PLAIN
+
+    uri, truth = committed
+    store = open_store(uri, keyed)
+    path = store.catalog.path
+    store.close()
+    with sqlite3.connect(path) as db:  # as a catalog writer without the key: the digest made anew
+        (description,) = db.execute("SELECT description FROM steps WHERE step = 4").fetchone()
+        db.execute("UPDATE steps SET description = ? WHERE step = 4", [flip_lr(description)])
+    with sqlite3.connect(path) as db:
+        wrapped = type("Db", (), {"execute": lambda self, *a: db.execute(*a)})()
+        forged = digests.of_parts(digests.row_parts(wrapped, 4), 4, 0, PLAIN)
+        db.execute("UPDATE steps SET rows_digest = ? WHERE step = 4", [forged])
+
+    store = open_store(uri, keyed)
+    if keyed:
+        with pytest.raises(CorruptError, match="rows of step 4"):
+            store.state_dict(4)
+    else:  # without a key a digest catches accidents, not a writer: the rows are believed
+        assert store.catalog.description(4) == flip_lr(description)
+
+
+def test_rows_recorded_before_digests_are_checked_against_the_manifest_once(committed, keyed):
+    uri, truth = committed
+    store = open_store(uri, keyed)
+    path = store.catalog.path
+    store.close()
+    with sqlite3.connect(path) as db:  # as a catalog an older ckptstore wrote
+        db.execute("UPDATE steps SET rows_digest = NULL")
+        (description,) = db.execute("SELECT description FROM steps WHERE step = 4").fetchone()
+        db.execute("UPDATE steps SET description = ? WHERE step = 4", [flip_lr(description)])
+
+    store = open_store(uri, keyed)
+    assert same_weights(store.state_dict(2), truth[2])
+    with pytest.raises(CorruptError, match="rows of step 4"):
+        store.state_dict(4)
+    store.close()
+    with sqlite3.connect(path) as db:  # the manifest's digest, kept: step 4's rows still do not match it
+        assert db.execute("SELECT count(*) FROM steps WHERE rows_digest IS NULL").fetchone() == (0,)
+    with pytest.raises(CorruptError, match="rows of step 4"):
+        open_store(uri, keyed).state_dict(4)

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from ckptstore.errors import BadInputError, NotFoundError
-from ckptstore.objects import open_objects
+from ckptstore.errors import BadInputError, CorruptError, NotFoundError
+from ckptstore.objects import local, open_objects
 from ckptstore.objects.local import LocalObjectStore
 
 
@@ -85,6 +85,49 @@ def test_a_long_range_past_the_end_gives_what_there_is(objects):
     objects.put_if_absent("packs/cd/big", data)
     assert bytes(objects.get_range("packs/cd/big", 1 << 20, 4 << 20)) == data[1 << 20 :]
     assert bytes(objects.get_range("packs/cd/big", 5 << 20, 2 << 20)) == b""
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646, 0o666])
+def test_a_long_range_of_a_file_others_may_write_is_read_not_mapped(objects, tmp_path, mode):
+    # Someone who may write the file may truncate it under a mapping: a reader of it would die
+    # of SIGBUS. Such a file is read into bytes instead, and only this user's own is mapped.
+    data = os.urandom(3 << 20)
+    objects.put_if_absent("packs/ab/big", data)
+    path = tmp_path / "store" / "packs" / "ab" / "big"
+    assert isinstance(objects.get_range("packs/ab/big", 7, 2 << 20), memoryview)
+    path.chmod(mode)
+    view = objects.get_range("packs/ab/big", 7, 2 << 20)
+    assert isinstance(view, bytes) and view == data[7 : 7 + (2 << 20)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
+def test_a_long_range_of_another_users_copy_is_read_not_mapped(objects, tmp_path):
+    data = os.urandom(3 << 20)
+    objects.put_if_absent("packs/ab/big", data)
+    path = tmp_path / "store" / "packs" / "ab" / "big"
+    os.chown(path, 65534, 65534)  # a store writer put their own copy in its place
+    view = objects.get_range("packs/ab/big", 0, 2 << 20)
+    assert isinstance(view, bytes) and view == data[: 2 << 20]
+
+
+def test_a_pack_truncated_between_open_and_read_is_corrupt_not_a_signal(objects, tmp_path, monkeypatch):
+    data = os.urandom(3 << 20)
+    objects.put_if_absent("packs/ab/big", data)
+    path = tmp_path / "store" / "packs" / "ab" / "big"
+    path.chmod(0o664)  # a group member may write it, and truncates it once the reader has it open
+    asked, may_map = [], local.may_map
+
+    def truncate_then_answer(st):
+        asked.append(may_map(st))
+        os.truncate(path, 1 << 20)
+        return asked[-1]
+
+    monkeypatch.setattr(local, "may_map", truncate_then_answer)
+    with pytest.raises(
+        CorruptError, match=r"packs/ab/big .* shrank while it was read \(it had 3145728 bytes"
+    ):
+        objects.get_range("packs/ab/big", 5, 2 << 20)
+    assert asked == [False]  # read, never mapped: had it been mapped, this process would be dead
 
 
 def test_a_data_reader_reads_buffers_and_file_ranges_as_one_seekable_file(tmp_path):

@@ -66,8 +66,9 @@ def test_dropping_a_step_keeps_the_samples_a_kept_step_inherits(tmp_path):
         record = StepRecord(
             step=step, created_at="2026-01-01T00:00:00+00:00", world_size=1, description="{}",
             layer_sources=sources,
-            tensors=[TensorRow(step, layer, f"{layer}.w", "fp32", 0, 4, f"k{step}{layer}") for layer in saved],
-            blobs=[BlobRow(f"k{step}{layer}", 10, 16) for layer in saved],
+            tensors=[TensorRow(source, layer, f"{layer}.w", "fp32", 0, 4, f"k{source}{layer}")
+                     for layer, source in sources.items()],
+            blobs=[BlobRow(f"k{source}{layer}", 10, 16) for layer, source in sources.items()],
             updates={"a": (1, 0.5)} if step == 2 else {},
             files=[FileRow("config.json", "f" * 32, 2)], added=(1, 10),
         )  # fmt: skip

@@ -10,15 +10,17 @@ every listed step had been imported.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..errors import ConflictError, CorruptError, NotFoundError, StorageError
 from ..format import layerpacks
+from ..hashing import PLAIN, ContentHash
 from ..layers import layer_of
 from ..model import BlobRow, StepRecord, group_by_source
-from . import database
+from . import database, digests
 from .metrics import MetricQueries
 from .packs import LayerPackQueries
 from .steps import StepQueries
@@ -50,6 +52,14 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         #: What the store's deletion record said at the last sync (``format.deletions``): the
         #: generation a new commit of a deleted step is written above. None: not synced.
         self.deletions = None
+        #: The store's content hash: with a key, the digests kept with each step's rows are tags
+        #: under it (``digests``).
+        self.content_hash: ContentHash = PLAIN
+        #: Step, generation -> the parts of the rows its manifest gives (``digests.record_parts``):
+        #: how the rows of a step recorded before digests were kept are checked, once.
+        self.manifest_parts: Callable[[int, int], digests.Parts] | None = None
+        self._checked: set[int] = set()  # steps whose rows matched their digest in this process
+        self._checked_units: set[tuple[int, str]] = set()  # (source, layer) indexes those steps use
         self.db = database.snapshot(self.path) if read_only else database.connect(self.path)
 
     def require_writable(self, verb: str) -> None:
@@ -153,6 +163,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
         return steps[-1] if steps else None
 
     def _require(self, step: int) -> None:
+        """Import ``step`` if it is only listed and check its rows (``check_rows``) before a
+        read uses them; NotFoundError if there is no such step, CorruptError if its manifest
+        cannot be read or its rows are not its manifest's."""
         self.load([step])
         if not self.is_recorded(step):
             if step in self.unreadable:
@@ -160,6 +173,84 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
             known = self.steps()
             hint = f"; committed steps: {_summary(known)}" if known else "; the store has no steps yet"
             raise NotFoundError(f"step {step} does not exist{hint}")
+        self.check_rows([step])
+
+    def check_rows(self, steps: Iterable[int]) -> None:
+        """CorruptError naming the first of ``steps`` whose rows (description, layers, files,
+        metrics, every layer index it uses) are not those its manifest gave: their digest
+        differs from the one recorded with them (``digests``). Each step is checked once per
+        catalog; steps not recorded are passed over. A step recorded before digests were kept
+        is compared with its manifest (``manifest_parts``) and its digest kept."""
+        memo: dict[tuple[int, str], bytes] = {}
+        for step in steps:
+            if step in self._checked:
+                continue
+            # No transaction around the reads (a background commit may hold this connection's):
+            # rows another process replaced meanwhile are read again once before they count.
+            for attempt in (0, 1):
+                found = self._rows_digest(step, memo if attempt == 0 else {})
+                if found is None:
+                    break
+                generation, digest, recorded = found
+                if recorded is None:
+                    recorded = self._digest_from_manifest(step, generation)
+                if recorded is None or hmac.compare_digest(digest, bytes(recorded)):
+                    break
+                if attempt:
+                    raise CorruptError(
+                        f"the catalog's rows of step {step} are not what its manifest says (the catalog "
+                        f"{self.path} was changed or damaged): run `ckptstore catalog rebuild`"
+                    )
+            if found is not None:
+                self._checked.add(step)
+                sql = "SELECT source_step, layer FROM layers WHERE step = ?"
+                self._checked_units.update(self.db.execute(sql, [step]).fetchall())
+
+    def _rows_digest(
+        self, step: int, memo: dict[tuple[int, str], bytes]
+    ) -> tuple[int, bytes, bytes | None] | None:
+        """(generation, digest of the rows now, digest recorded with them) of ``step``; None if
+        it is not recorded."""
+        row = self.db.execute("SELECT generation, rows_digest FROM steps WHERE step = ?", [step]).fetchone()
+        parts = digests.row_parts(self.db, step, memo)
+        if row is None or parts is None:
+            return None
+        return row[0], digests.of_parts(parts, step, row[0], self.content_hash), row[1]
+
+    def _check_units(self, source: int, layers: list[str] | None) -> None:
+        """Check (``check_rows``) a step that uses each index ``source`` saved of ``layers``
+        (all: None) that no step checked already covers."""
+        if layers is not None and all((source, layer) in self._checked_units for layer in layers):
+            return
+        wanted = None if layers is None else set(layers)
+        users: dict[str, int] = {}
+        for step, layer in self.db.execute("SELECT step, layer FROM layers WHERE source_step = ?", [source]):
+            if (wanted is None or layer in wanted) and (source, layer) not in self._checked_units:
+                users[layer] = min(step, users.get(layer, step))
+        self.check_rows(sorted(set(users.values())))
+
+    def _digest_from_manifest(self, step: int, generation: int) -> bytes | None:
+        """The digest of ``step``'s rows as its manifest of ``generation`` gives them, kept with
+        them from now on; None where this catalog cannot read manifests (opened on its own)."""
+        if self.manifest_parts is None:
+            return None
+        try:
+            parts = self.manifest_parts(step, generation)
+        except NotFoundError as exc:
+            raise CorruptError(f"the catalog's rows of step {step} cannot be checked: {exc}") from None
+        digest = digests.of_parts(parts, step, generation, self.content_hash)
+        with contextlib.suppress(StorageError):  # a catalog that cannot be written compares again next time
+            with self.write_transaction():
+                self.db.execute(
+                    "UPDATE steps SET rows_digest = ? WHERE step = ? AND generation = ? AND rows_digest IS NULL",
+                    [digest, step, generation],
+                )
+        return digest
+
+    def row_parts(self, step: int) -> digests.Parts | None:
+        """The parts of ``step``'s rows (``digests.row_parts``), unchecked: what ``verify``
+        compares with the manifest, field by field. None if the step is not recorded."""
+        return digests.row_parts(self.db, step)
 
     def blob_sizes(self, keys: Iterable[str]) -> dict[str, BlobRow]:
         """Recorded sizes of the given blobs (unknown keys are left out)."""
@@ -259,7 +350,12 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
                 present = (
                     set()
                     if source == step
-                    else {r.layer for r in self.tensors(source, {r.layer for r in source_rows})}
+                    else {
+                        layer
+                        for (layer,) in self.db.execute(
+                            "SELECT DISTINCT layer FROM tensors WHERE step = ?", [source]
+                        )
+                    }
                 )
                 rows.extend(row for row in source_rows if row.layer not in present)
             present_packs = {
@@ -268,6 +364,12 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
                 for (layer,) in self.db.execute("SELECT layer FROM layer_packs WHERE step = ?", [source])
             }
             new_packs = [i for i in record.packs.values() if (i.step, i.layer) not in present_packs]
+            # Whether every row the step uses is written here, from the record: none to check then.
+            written_here = (
+                len(rows) == len(record.tensors)
+                and len(new_packs) == len(record.packs)
+                and self.db.execute("SELECT 1 FROM tensors WHERE step = ? LIMIT 1", [step]).fetchone() is None
+            )
             if record.added is not None:
                 blobs_added, bytes_added = record.added
             else:
@@ -285,6 +387,9 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
                     "blobs_added": blobs_added,
                     "weights_only": record.weights_only,
                     "generation": generation,
+                    "rows_digest": digests.of_parts(
+                        digests.record_parts(record), step, generation, self.content_hash
+                    ),
                 }
             )
             unmeasured = (None, None)
@@ -322,11 +427,16 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries):
             self.db["metrics"].insert_all(
                 {"step": step, "name": name, "value": value} for name, value in record.metrics.items()
             )
+        if written_here:
+            self._checked.add(step)
+            self._checked_units.update((source, layer) for layer, source in record.layer_sources.items())
         return True
 
     def drop_steps(self, steps: Iterable[int]) -> None:
         """Remove step records in one transaction, keeping tensor rows that kept steps inherit."""
-        steps_json = json.dumps(list(steps))
+        steps = list(steps)
+        self._checked.difference_update(steps)
+        steps_json = json.dumps(steps)
         with self.write_transaction():
             self.db.execute("DELETE FROM steps WHERE step IN (SELECT value FROM json_each(?))", [steps_json])
             self.db.execute("DELETE FROM layers WHERE step IN (SELECT value FROM json_each(?))", [steps_json])

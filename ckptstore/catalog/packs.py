@@ -19,7 +19,10 @@ class LayerPackQueries:
 
     def layer_packs(self, step: int, layers: Iterable[str] | None = None) -> list[LayerPacks]:
         """The pack indexes of layers that ``step`` itself saved in format 2 (optionally only
-        ``layers``), in no particular order."""
+        ``layers``), in no particular order, once the steps that use them are checked
+        (CorruptError: ``check_rows``)."""
+        layers = None if layers is None else list(layers)
+        self._check_units(step, layers)
         rows = self.db.execute("SELECT layer, packs FROM layer_packs WHERE step = ?", [step]).fetchall()
         wanted = None if layers is None else set(layers)
         if not rows:

@@ -30,11 +30,19 @@ class StepQueries:
         return dict(rows)
 
     def tensors(self, step: int, layers: Iterable[str] | None = None) -> list[TensorRow]:
-        """Tensor rows that ``step`` itself saved (optionally only for ``layers``)."""
+        """Tensor rows that ``step`` itself saved (optionally only for ``layers``), once the
+        steps that use them are checked (CorruptError: ``check_rows``)."""
+        layers = None if layers is None else list(layers)
+        self._check_units(step, layers)
         sql = "SELECT step, layer, name, kind, start, numel, blob FROM tensors WHERE step = ?"
         rows = self.db.execute(sql, [step]).fetchall()
         wanted = None if layers is None else set(layers)
         return [TensorRow(*row) for row in rows if wanted is None or row[1] in wanted]
+
+    def added(self, step: int) -> tuple[int, int] | None:
+        """(blobs, bytes) the catalog records ``step`` as having added; None if not recorded."""
+        row = self.db.execute("SELECT blobs_added, bytes_added FROM steps WHERE step = ?", [step]).fetchone()
+        return None if row is None else (row[0], row[1])
 
     def log(self) -> list[StepRow]:
         """One summary row per committed step, oldest first."""

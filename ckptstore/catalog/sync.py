@@ -34,11 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import auxfiles, knobs
+from .. import auxfiles, knobs, private
 from ..errors import BadInputError, CorruptError, NotFoundError, StorageError, UnsupportedError, storage_error
 from ..format import deletions, layout, manifest
 from ..model import StepRecord
 from ..objects import ObjectStore
+from . import digests
 from .database import storage_faults
 from .index import Catalog
 
@@ -267,6 +268,7 @@ def load_every_step(catalog: Catalog, objects: ObjectStore) -> None:
     sync(catalog, objects)
     pending = catalog.pending_steps()
     report = load_steps(catalog, objects, pending) if pending else SyncReport()
+    catalog.check_rows(catalog.recorded_steps())  # gc decides from the rows: they are the manifests'
     if report.corrupt:
         more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
         raise CorruptError(
@@ -289,6 +291,7 @@ def open_catalog(objects: ObjectStore) -> Catalog:
     ``CKPTSTORE_CACHE`` that cannot hold a folder (a file in the way).
     """
     path = catalog_path(objects)
+    _require_private(path, objects)
     try:
         catalog = _open_writable(path, objects)
     except StorageError as exc:
@@ -302,7 +305,21 @@ def open_catalog(objects: ObjectStore) -> Catalog:
             raise
     catalog.loader = lambda steps: load_steps(catalog, objects, steps)
     catalog.trusts_listing = not objects.content_hash.authenticated
+    catalog.content_hash = objects.content_hash
+    catalog.manifest_parts = lambda step, generation: digests.record_parts(
+        read_manifest(objects, step, generation)
+    )
     return catalog
+
+
+def _require_private(path: Path, objects: ObjectStore) -> None:
+    """With a key, the catalog at ``path`` is in a folder only this user can change (``private``):
+    its rows decide what a read uses. BadInputError naming the fix otherwise."""
+    if objects.content_hash.authenticated:
+        private.make_folder(path.parent)
+        private.require_private(
+            path.parent, "the catalog folder", files=[path.name, f"{path.name}-wal", f"{path.name}-shm"]
+        )
 
 
 def _open_writable(path: Path, objects: ObjectStore) -> Catalog:
@@ -347,6 +364,7 @@ def rebuild(path: Path, objects: ObjectStore, *, keep_damaged: bool = True) -> S
     has the catalog open. StorageError (nothing replaced) when it cannot be written.
     """
     path = Path(path)
+    _require_private(path, objects)
     with storage_faults(path, "rebuild the catalog"):
         return _rebuild(path, objects, keep_damaged)
 
@@ -359,6 +377,7 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
     stored = {**layout.list_blobs(objects).found, **layout.list_packs(objects).found}
     listing = deletions.list_manifests(objects)
     catalog = Catalog(fresh)
+    catalog.content_hash = objects.content_hash
     try:
         for record, generation in (
             found

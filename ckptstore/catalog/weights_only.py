@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 
 from ..format import layerpacks
-from ..model import LayerPacks, TensorRow
+from ..model import LayerPacks, StepRecord, TensorRow
+from . import digests
 
 
 class WeightsOnlyQueries:
@@ -37,11 +38,13 @@ class WeightsOnlyQueries:
         return {row[0] for row in self.db.execute("SELECT step FROM steps WHERE weights_only")}
 
     def record_weights_only(
-        self, indexes: list[LayerPacks], removed: list[TensorRow], steps: list[int]
+        self, indexes: list[LayerPacks], removed: list[TensorRow], records: list[StepRecord]
     ) -> None:
         """In one transaction: the thinned layers' new indexes (``indexes``, by their step and
-        layer), format-1 tensor rows no longer stored (``removed``), and ``steps`` marked
-        weights-only with their manifest generation advanced by one."""
+        layer), format-1 tensor rows no longer stored (``removed``), and the steps of
+        ``records`` (their rewritten records) marked weights-only with their manifest generation
+        advanced by one and the digest of their new rows (``digests``)."""
+        steps = [record.step for record in records]
         with self.write_transaction():
             for index in indexes:
                 self.db.execute(
@@ -57,3 +60,17 @@ class WeightsOnlyQueries:
                 "WHERE step IN (SELECT value FROM json_each(?))",
                 [json.dumps(list(steps))],
             )
+            generations = self.generations()
+            self.db.conn.executemany(
+                "UPDATE steps SET rows_digest = ? WHERE step = ?",
+                [
+                    (
+                        digests.of_parts(
+                            digests.record_parts(r), r.step, generations[r.step], self.content_hash
+                        ),
+                        r.step,
+                    )
+                    for r in records
+                ],
+            )
+        self._checked.difference_update(steps)

@@ -57,7 +57,16 @@ def build(
 
 
 def encode(index: LayerPacks) -> bytes:
-    """The bytes of ``index`` (its step and layer are kept by whoever stores them)."""
+    """The bytes of ``index`` (its step and layer are kept by whoever stores them): those it
+    was decoded from or first encoded to (``LayerPacks.encoded``)."""
+    if index.encoded is None:
+        # A step's indexes are encoded for its manifest, its catalog rows and their digest
+        # (catalog.digests); one of a 512-rank layer takes ~20 ms to compress.
+        index.encoded = _encode(index)
+    return index.encoded
+
+
+def _encode(index: LayerPacks) -> bytes:
     frags = index.fragments
     head = json.dumps(
         {"tensors": [list(t) for t in index.tensors], "packs": len(index.packs), "fragments": len(frags)},
@@ -115,7 +124,8 @@ def decode(
             raws.tolist(),
         )
     )
-    return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64))
+    encoded = data if isinstance(data, bytes) else bytes(data)
+    return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64), encoded=encoded)
 
 
 class EncodedLayerPacks(LayerPacks):

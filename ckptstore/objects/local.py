@@ -12,18 +12,33 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from .. import knobs
-from ..errors import BadInputError, NotFoundError, StorageError, storage_error
+from ..errors import BadInputError, CorruptError, NotFoundError, StorageError, storage_error
 from . import Data, FileRange, ObjectInfo, ObjectStore, check_name
 
 # A range of at least ``knobs.map_bytes()`` is mapped rather than read: the decoder then reads
 # the page cache in place instead of a copy of it in fresh memory (for a restore on two cores,
 # ~a quarter of the decode time). Objects are created whole by a rename and never changed in
-# place, so a mapped range stays valid, even after gc unlinks the file.
+# place, so a mapped range stays valid, even after gc unlinks the file. But a mapped page that a
+# truncation took away kills the reader with SIGBUS, so only a file no one else can truncate is
+# mapped (``may_map``); any other is read, and one that shrinks during the read is corrupt.
+
+
+def may_map(st: os.stat_result) -> bool:
+    """Whether the open file ``st`` describes may be mapped: a regular file of this process's
+    user that neither its group nor others may write, so that no one else (root aside) can
+    truncate it under the mapping. Another user's copy, put in place by someone who can write
+    the store's folders, is read instead."""
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
 
 
 def _mapped(fd: int, start: int, end: int) -> memoryview:
@@ -204,14 +219,19 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise self._error("read", name, exc) from None
         try:
-            end = min(start + length, os.fstat(fd).st_size)
-            if 0 < knobs.map_bytes() <= end - start:
+            st = os.fstat(fd)
+            # The size now bounds the range: what a mapping covers, or what a read must get.
+            end = min(start + length, st.st_size)
+            if 0 < knobs.map_bytes() <= end - start and may_map(st):
                 return _mapped(fd, start, end)
             chunks, done = [], 0
-            while done < length:  # pread may return less than asked before the end
-                chunk = os.pread(fd, length - done, start + done)
+            while start + done < end:  # pread may return less than asked before the end
+                chunk = os.pread(fd, end - start - done, start + done)
                 if not chunk:
-                    break
+                    raise CorruptError(
+                        f"object {name} in {self.uri} shrank while it was read "
+                        f"(it had {st.st_size} bytes, then ended at {start + done}): it was truncated"
+                    )
                 chunks.append(chunk)
                 done += len(chunk)
             return b"".join(chunks)
