@@ -140,3 +140,22 @@ def test_the_trainers_evaluation_metrics_are_recorded_with_each_save(tmp_path):
     assert all(0 < row.metrics["eval_loss"] < 10 for row in rows)
     assert rows[0].metrics["eval_loss"] != rows[1].metrics["eval_loss"]
     assert store.gc(keep_best=["eval_loss:min"], dry_run=True).steps_kept in ([2], [4])
+
+
+def test_callback_jobs_beside_a_cpu_heavy_process_exit_cleanly(tmp_path):
+    # Issue 37 item 19: "terminate called without an active exception" (rc -6) at interpreter
+    # exit, after the work was done. Each job leaves through a normal interpreter exit with a
+    # process spinning on the CPU beside it (tests/exit_worker.py).
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("exit_worker.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT",)}  # each job its own port
+    done = subprocess.run([sys.executable, str(worker), str(tmp_path), "blocking,background,blocking"],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"codes": [0, 0, 0], "steps": [[2, 4, 6]] * 3}
