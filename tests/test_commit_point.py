@@ -220,4 +220,7 @@ def test_a_catalog_row_that_disagrees_with_its_manifest_is_reported(three_steps,
     db.close()
     verify = run("--store", three_steps, "verify")
     assert verify.returncode == 1
-    assert "step 4: manifest" in verify.stdout and "other auxiliary files" in verify.stdout
+    assert (
+        "step 4: manifest" in verify.stdout
+        and "other than the catalog about the auxiliary files" in verify.stdout
+    )
