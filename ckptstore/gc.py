@@ -1,10 +1,13 @@
 """Retention rules and mark-and-sweep garbage collection of blobs and auxiliary files.
 
 Order of a collection, each phase safe to interrupt:
-1. List the manifests and import every step the catalog lacks (a commit that died after its
-   manifest, a lost catalog); refuse to run while such a manifest cannot be read, since the
-   packs that step needs are unknown.
-2. Decide which steps to keep (keep-last, keep-every, explicit keeps); refuse to drop every
+1. List the manifests. Every step found counts, recorded in the catalog or not (a commit that
+   died after its manifest, a lost or fresh catalog).
+2. Decide which steps to keep (keep-last, keep-every, explicit keeps) from the listing, and
+   import the kept steps the catalog lacks (keep-best imports every step: it ranks them by
+   their metrics); refuse to run while a kept step's manifest cannot be read, since the packs
+   it needs are unknown. A dropped step's manifest is never read: it goes whatever it holds,
+   so a gc of a fresh cache reads a handful of manifests, not thousands. Refuse to drop every
    step unless asked, and refuse to run at all if a kept step already misses a blob.
 3. Drop the other steps: add them to the store's deletion record (``format.deletions``: their
    manifests are buried from then on, and their names never written again), drop their catalog
@@ -174,6 +177,7 @@ def collect(
     dry_run: bool = False,
     allow_empty: bool = False,
     now: float | None = None,
+    verb: str = "gc",
 ) -> GcReport:
     """Apply retention, then sweep unreferenced blobs older than ``grace`` seconds.
 
@@ -182,7 +186,7 @@ def collect(
     ``keep_weights_every``/``keep_weights_last`` keep, of the steps no other rule keeps, those
     divisible by K / the N newest as weights-only steps (``thin``).
     ``drop_steps`` drops those steps in addition to what retention drops. ``now`` replaces
-    the clock (tests). Raises BadInputError if every step would go without ``allow_empty``,
+    the clock (tests); ``verb`` names the command in errors. Raises BadInputError if every step would go without ``allow_empty``,
     CorruptError if a kept step already misses a blob or a step's manifest cannot be read
     (nothing is changed then), StorageError (before any work) when the catalog is a read-only
     copy and ``dry_run`` is false.
@@ -192,18 +196,20 @@ def collect(
         keep_weights_every=keep_weights_every, keep_weights_last=keep_weights_last,
     )  # fmt: skip
     if not dry_run:
-        catalog.require_writable("gc")
+        catalog.require_writable(verb)
     rules = [KeepBest.parse(rule) for rule in keep_best]
     now = check_seconds(now, "now", maximum=1e11)  # a time, in seconds since 1970
     weights_rules = keep_weights_every is not None or keep_weights_last is not None
     with objects.lock(exclusive=True):
-        sync.load_every_step(catalog, objects)
+        listing = sync.sync(catalog, objects).listing
         if catalog.deletions is not None and catalog.deletions.problems:
             raise CorruptError(
                 f"{catalog.deletions.problems[0]}; gc will not run past a deletion record it cannot "
                 "read (the steps it deleted could come back): run `ckptstore verify --quarantine`"
             )
-        steps = catalog.steps()
+        if rules:  # keep-best ranks every step by its metrics
+            sync.load_for_gc(catalog, objects, None)
+        steps = catalog.known_steps()
         kept = steps_to_keep(
             steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
             best=_best_steps(catalog, rules), other_rules=weights_rules,
@@ -216,7 +222,11 @@ def collect(
             [s for s in steps if s not in set(kept) and s not in set(drop_steps)],
             every=keep_weights_every, last=keep_weights_last,
         )  # fmt: skip
-        dropped = [s for s in steps if s not in set(kept) | set(weights)]
+        # Only the steps gc keeps are read: the ones it drops go whatever their manifests say.
+        sync.load_for_gc(catalog, objects, kept + weights)
+        present = set(catalog.known_steps())  # a kept step deleted since the listing is gone
+        kept, weights = [s for s in kept if s in present], [s for s in weights if s in present]
+        dropped = [s for s in steps if s in present and s not in set(kept) | set(weights)]
         already = catalog.weights_only_steps() if weights_rules else set()
         none_resumable = weights_rules and not [s for s in kept if s not in already]
         if steps and (not kept and not weights or none_resumable) and not allow_empty:
@@ -247,7 +257,8 @@ def collect(
         if dry_run:
             return report
 
-        listing = deletions.list_manifests(objects)
+        if weights:  # thinning wrote new generations since the listing
+            listing = deletions.list_manifests(objects)
         recorded = catalog.generations()
         last = {s: max([*listing.generations.get(s, []), recorded.get(s, 0)]) for s in dropped}
         deletions.record(objects, last)  # from here on the steps are gone, whatever happens next
@@ -267,10 +278,16 @@ def delete_step(objects: ObjectStore, catalog: Catalog, step: int, *, dry_run: b
     """Drop ``step``'s record (``Store.delete``); its blobs go at a later gc unless other steps
     need them. NotFoundError (naming the known steps) for an unknown step, StorageError when
     the catalog is a read-only copy and ``dry_run`` is false."""
-    if not dry_run:
-        catalog.require_writable("delete")
     catalog.description(step)
-    return collect(objects, catalog, drop_steps=[step], grace=float("inf"), dry_run=dry_run, allow_empty=True)
+    return collect(
+        objects,
+        catalog,
+        drop_steps=[step],
+        grace=float("inf"),
+        dry_run=dry_run,
+        allow_empty=True,
+        verb="delete",
+    )
 
 
 def _sweep_temporary(objects: ObjectStore, cutoff: float, report: GcReport) -> None:

@@ -130,11 +130,15 @@ def test_a_fresh_cache_lists_the_steps_and_reads_only_the_manifests_it_needs(s3,
     assert reader.catalog.recorded_steps() == [2]
     assert reader.sources(2) == {**dict.fromkeys(reader.sources(2), 1), "transformer.h.1": 2}
     assert reader.catalog.recorded_steps() == [2]
-    # gc on another fresh machine reads the kept steps' manifests, and drops the others unread.
+    # gc on another fresh machine reads the kept steps' manifests, and drops the others unread:
+    # step 1's manifest, now garbage, goes without stopping it.
     monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "gc"))
     collector = ckptstore.open(s3.uri())
+    collector.objects.delete_many([manifest_name(1)])
+    collector.objects.put_if_absent(manifest_name(1), b"CKPM\x03" + bytes(64))
     report = collector.gc(keep_last=1, grace=0)
     assert report.steps_dropped == [1, 2] and collector.catalog.recorded_steps() == [3]
+    assert not collector.objects.exists(manifest_name(1))
     assert collector.verify().ok
     # The reader's listing still names step 1: asking for it now finds it gone, cleanly.
     with pytest.raises(ckptstore.NotFoundError, match="step 1 does not exist"):

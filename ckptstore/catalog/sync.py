@@ -61,6 +61,7 @@ class SyncReport:
     lost: list[int] = field(default_factory=list)
     kept_aside: str | None = None  # rebuild only: where the previous catalog was kept
     steps: list[int] = field(default_factory=list)  # the catalog's steps afterwards
+    listing: layout.ManifestListing | None = None  # sync only: the listing it synced with
 
 
 def cache_path(objects: ObjectStore) -> Path:
@@ -191,8 +192,8 @@ def sync(catalog: Catalog, objects: ObjectStore) -> SyncReport:
     listed generation older than the one recorded is not taken: someone put an old manifest
     back, and the rows read from the newer one stay (``verify`` reports the difference).
     """
-    report = SyncReport()
     listing = deletions.list_manifests(objects)
+    report = SyncReport(listing=listing)
     catalog.deletions = deletions.Deletions(
         listing.deleted, max(listing.deletion_records, default=-1), listing.problems, listing.unreadable
     )
@@ -261,19 +262,25 @@ def import_step(catalog: Catalog, objects: ObjectStore, step: int, generation: i
     import_record(catalog, record, generation)
 
 
-def load_every_step(catalog: Catalog, objects: ObjectStore) -> None:
-    """List every manifest in ``objects`` afresh and import every step; CorruptError naming the
-    manifests that cannot be read. What gc needs before it decides anything: a step it does
-    not know of would lose its packs."""
-    sync(catalog, objects)
+def load_for_gc(catalog: Catalog, objects: ObjectStore, steps: Iterable[int] | None) -> None:
+    """Import ``steps`` (None: every listed step) where the catalog only lists them, and check
+    their rows; CorruptError naming the manifests among them that cannot be read. What gc
+    needs of the steps it keeps before it decides what to sweep: a kept step it does not know
+    would lose its packs. Steps it drops are never read: their manifests go whatever they hold.
+    """
     pending = catalog.pending_steps()
+    if steps is not None:
+        wanted = set(steps)
+        pending = [step for step in pending if step in wanted]
     report = load_steps(catalog, objects, pending) if pending else SyncReport()
-    catalog.check_rows(catalog.recorded_steps())  # gc decides from the rows: they are the manifests'
+    recorded = catalog.recorded_steps()
+    # gc decides from the rows: they must be the manifests'
+    catalog.check_rows(recorded if steps is None else sorted(set(steps) & set(recorded)))
     if report.corrupt:
         more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
         raise CorruptError(
-            "gc will not run while a step's manifest is unreadable (it cannot tell which packs the step "
-            "needs): `ckptstore verify --quarantine` moves such manifests aside; "
+            "gc will not run while a step it keeps has an unreadable manifest (it cannot tell which "
+            "packs the step needs): `ckptstore verify --quarantine` moves such manifests aside; "
             f"manifest {report.corrupt[0]}{more}"
         )
 
