@@ -26,6 +26,15 @@ from .materialize.directory import materialize as materialize_engine_step
 from .objects import ObjectStore
 
 
+def _dcp_step(catalog: Catalog, step: Any, spec: compose.Spec | None) -> tuple[Any, dict | None]:
+    """``step`` checked (unless a compose ``spec`` stands for it), and its DCP description:
+    None unless the DCP front door wrote it."""
+    if spec is not None:
+        return step, None
+    step = check_step(step)
+    return step, dcp_description(catalog, step)
+
+
 def materialize(
     objects: ObjectStore,
     catalog: Catalog,
@@ -41,8 +50,7 @@ def materialize(
     """``Store.materialize``: the directory of ``step`` (or of a compose ``spec``) at ``out``,
     in the layout of the door that wrote the step; raises as ``Store.materialize`` says
     (``allow_pickle`` as it documents)."""
-    step = step if spec is not None else check_step(step)
-    description = None if spec is not None else dcp_description(catalog, step)
+    step, description = _dcp_step(catalog, step, spec)
     with outputs.writing(out, "materialize"):
         if description is not None:
             return materialize_dcp(
@@ -63,8 +71,7 @@ def state_dict(
     spec: compose.Spec | None,
 ) -> dict[str, torch.Tensor]:
     """``Store.state_dict``: the full weights of ``step`` (or of a compose ``spec``) by name."""
-    step = step if spec is not None else check_step(step)
-    description = None if spec is not None else dcp_description(catalog, step)
+    step, description = _dcp_step(catalog, step, spec)
     if description is not None:
         return dcp_state_dict(objects, catalog, step, description, parse_dtype(dtype))
     return engine_state_dict(objects, catalog, step, dtype, spec)

@@ -3,7 +3,7 @@ the check of them all at once.
 
 Each setting is a function here that reads its variable and returns its value (the default
 when unset), raising BadInputError naming the variable when the value is out of its range.
-Each is registered in ``SETTINGS``; ``check_all`` reads every one and warns about a
+Each is registered in ``SETTINGS`` (``settings``); ``check_all`` reads every one and warns about a
 ``CKPTSTORE_*`` name that is none of them (a misspelt setting would otherwise be silently
 unused). The CLI calls it before any command and ``ckptstore.open`` before opening a store, so
 a bad value stops the command at once, not deep inside one (or never, when the code that reads
@@ -13,19 +13,23 @@ small runs; the settings only tests read are registered too.
 
 from __future__ import annotations
 
-import difflib
-import logging
-import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlparse
 
 from . import keys
 from .errors import BadInputError, clip
-
-PREFIX = "CKPTSTORE_"
+from .settings import (
+    PREFIX,
+    SETTINGS,
+    bad_value,
+    read_directory,
+    read_flag,
+    read_float,
+    read_int,
+    read_raw,
+    setting,
+    warn_unknown,
+)
 
 # Ranges. A maximum keeps a value far past sense (a typo, an extra digit) from becoming a
 # thread pool of millions, a C integer overflow deep in zstd or SQLite, or a wait of centuries.
@@ -39,117 +43,13 @@ MAX_GRACE = 10 * YEAR
 ZSTD_MIN_LEVEL = -(1 << 17)
 ZSTD_MAX_LEVEL = 22
 
-log = logging.getLogger("ckptstore")
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A registered setting: ``read()`` returns its value or raises BadInputError naming it;
-    ``kind`` is what it takes (integer, number, flag, choice, directory, store, key file)."""
-
-    name: str
-    kind: str
-    read: Callable[[], object]
-    tests_only: bool = False
-
-
-#: Every setting, by its full name (``CKPTSTORE_IO_THREADS``).
-SETTINGS: dict[str, Setting] = {}
-
-_warned: set[str] = set()
-
-
-def setting(name: str, kind: str, *, tests_only: bool = False):
-    """Register the decorated reader as ``CKPTSTORE_<name>``."""
-
-    def register(read):
-        SETTINGS[PREFIX + name] = Setting(PREFIX + name, kind, read, tests_only)
-        return read
-
-    return register
-
 
 def check_all() -> None:
     """Read every registered setting (BadInputError naming the first bad one), and log one
-    warning line for each ``CKPTSTORE_*`` variable that is no setting, naming the closest
-    setting; each unknown name is warned about once per process."""
-    for name in sorted(os.environ):
-        if name.startswith(PREFIX) and name not in SETTINGS and name not in _warned:
-            _warned.add(name)
-            close = difflib.get_close_matches(name, list(SETTINGS), n=1, cutoff=0.7)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            log.warning("ckptstore: %s is not a ckptstore setting; it is ignored%s", name, hint)
+    warning line for each ``CKPTSTORE_*`` variable that is no setting (``settings.warn_unknown``)."""
+    warn_unknown()
     for entry in SETTINGS.values():
         entry.read()
-
-
-def _raw(name: str) -> str | None:
-    return os.environ.get(PREFIX + name)
-
-
-def _int(name: str, default: int, minimum: int, maximum: int) -> int:
-    """``CKPTSTORE_<name>`` as an integer in ``minimum..maximum`` (``default`` when unset or
-    empty); BadInputError naming it when it is not one."""
-    value = _raw(name)
-    if value is None or not value.strip():
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = None
-    if number is None or not minimum <= number <= maximum:
-        raise _bad(name, value, f"an integer from {minimum} to {maximum}")
-    return number
-
-
-def _float(name: str, default: float, maximum: float, *, positive: bool = False, limit: str = "") -> float:
-    """``CKPTSTORE_<name>`` as a number from 0 (above 0 when ``positive``) to ``maximum``
-    (``default`` when unset or empty; ``limit`` says the maximum in words); BadInputError naming
-    it when it is not one. NaN is never one: it compares false with everything, and so would
-    switch off what it bounds."""
-    value = _raw(name)
-    if value is None or not value.strip():
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if not (0 < number if positive else 0 <= number) or not number <= maximum:
-        low = "above 0, at most" if positive else "from 0 to"
-        raise _bad(name, value, f"a number {low} {maximum:.15g}{f' ({limit})' if limit else ''}")
-    return number
-
-
-def _flag(name: str, default: bool) -> bool:
-    """``CKPTSTORE_<name>`` as a yes/no: 1/true/yes/on or 0/false/no/off (any case)."""
-    value = _raw(name)
-    if value is None or not value.strip():
-        return default
-    text = value.strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise _bad(name, value, "1 or 0 (true/false, yes/no, on/off)")
-
-
-def _directory(name: str) -> str:
-    """``CKPTSTORE_<name>`` as a directory path ("" when unset) that is, or can become, a
-    directory: neither it nor the nearest of its parents that exists is anything else."""
-    value = _raw(name) or ""
-    if value:
-        path = Path(value).expanduser().absolute()
-        nearest = next((p for p in (path, *path.parents) if p.exists()), None)
-        if nearest is not None and not nearest.is_dir():
-            what = "is" if nearest == path else f"lies under {nearest}, which is"
-            raise _bad(name, value, f"a directory (it {what} not a directory)", plain=True)
-    return value
-
-
-def _bad(name: str, value: str, kind: str, *, plain: bool = False) -> Exception:
-    if plain:
-        return BadInputError(f"{PREFIX}{name}={clip(value, 120)}: must be {kind}")
-    return BadInputError(f"{PREFIX}{name} must be {kind}, not {clip(repr(value), 40)}")
 
 
 # -- compression ---------------------------------------------------------------------------------
@@ -159,14 +59,14 @@ def _bad(name: str, value: str, kind: str, *, plain: bool = False) -> Exception:
 def zstd_level() -> int:
     """zstd compression level for blob payloads (1 is fast and keeps most of the gain):
     zstd's own range, -131072 (fastest) to 22."""
-    return _int("ZSTD_LEVEL", 1, ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL)
+    return read_int("ZSTD_LEVEL", 1, ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL)
 
 
 @setting("MIN_COMPRESS_RATIO", "number")
 def min_compress_ratio() -> float:
     """Store a payload raw unless zstd shrinks it below this fraction of its size (0: always
     raw; above 1: always compressed). 0 to 1000."""
-    return _float("MIN_COMPRESS_RATIO", 0.97, 1000.0)
+    return read_float("MIN_COMPRESS_RATIO", 0.97, 1000.0)
 
 
 # -- threads -------------------------------------------------------------------------------------
@@ -176,7 +76,7 @@ def min_compress_ratio() -> float:
 def background_nice() -> int:
     """Nice increment of the threads that hash, compress and write a non-blocking commit
     (0 to 19, Linux's range of niceness)."""
-    return _int("BACKGROUND_NICE", 10, 0, 19)
+    return read_int("BACKGROUND_NICE", 10, 0, 19)
 
 
 @setting("CPU_THREADS", "integer")
@@ -184,7 +84,7 @@ def cpu_threads() -> int:
     """Threads that hash, compress or decode at once: by default one per core this process may
     use. A commit's ranks on one machine compress at the same time and split these."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return _int("CPU_THREADS", min(cores, MAX_THREADS), 1, MAX_THREADS)
+    return read_int("CPU_THREADS", min(cores, MAX_THREADS), 1, MAX_THREADS)
 
 
 def ranks_on_this_machine() -> int:
@@ -200,7 +100,7 @@ def ranks_on_this_machine() -> int:
 def io_threads() -> int:
     """Blobs stored or fetched at once. More than ``cpu_threads``, so that while some threads
     wait on a disk (fsync) or the network, others keep every core compressing or decoding."""
-    return _int("IO_THREADS", max(8, cpu_threads()), 1, MAX_THREADS)
+    return read_int("IO_THREADS", max(8, cpu_threads()), 1, MAX_THREADS)
 
 
 @setting("EXPORT_THREADS", "integer")
@@ -209,7 +109,7 @@ def export_threads() -> int:
     more). Its decoding holds the GIL between numpy calls, so past a few threads they mostly
     wait for it: on a 16-core machine a 267M model's bf16 export took 0.86 s on one thread,
     0.40-0.43 s on 4 and 0.62-0.65 s on 16."""
-    return _int("EXPORT_THREADS", 4, 1, MAX_THREADS)
+    return read_int("EXPORT_THREADS", 4, 1, MAX_THREADS)
 
 
 def tmp_suffix() -> str:
@@ -224,7 +124,7 @@ def tmp_suffix() -> str:
 def gc_grace_seconds() -> float:
     """Unreferenced blobs younger than this many seconds are never swept (a commit may be
     writing them): 0 to ten years."""
-    return _float("GC_GRACE", 3600.0, MAX_GRACE, limit="ten years")
+    return read_float("GC_GRACE", 3600.0, MAX_GRACE, limit="ten years")
 
 
 # -- where things are ----------------------------------------------------------------------------
@@ -234,33 +134,33 @@ def gc_grace_seconds() -> float:
 def store_uri() -> str:
     """The store the CLI uses without ``--store`` ("" when unset): a path, ``file://`` or
     ``s3://bucket/prefix`` URI."""
-    value = _raw("STORE") or ""
+    value = read_raw("STORE") or ""
     parsed = urlparse(value)
     drive = len(parsed.scheme) == 1 and value[1:3] in (":\\", ":/")
     if (parsed.scheme not in ("", "file", "s3") and not drive) or (
         parsed.scheme == "s3" and not parsed.netloc
     ):
-        raise _bad("STORE", value, "a path, a file:// URI or an s3://bucket/prefix URI", plain=True)
+        raise bad_value("STORE", value, "a path, a file:// URI or an s3://bucket/prefix URI", plain=True)
     return value
 
 
 @setting("CACHE", "directory")
 def cache_dir() -> str:
     """Where stores without a local directory (S3) keep their catalog index, one folder per store."""
-    return _directory("CACHE") or os.path.join("~", ".cache", "ckptstore")
+    return read_directory("CACHE") or os.path.join("~", ".cache", "ckptstore")
 
 
 @setting("LOCAL", "directory")
 def local_tier() -> str:
     """The local tier's directory for stores opened without ``local=`` ("" or unset: none)."""
-    return _directory("LOCAL")
+    return read_directory("LOCAL")
 
 
 @setting("KEY_FILE", "key file")
 def key_file() -> str:
     """The file holding the key stores are opened with ("" when unset: no key); BadInputError
     naming the setting when the file is no key file ``keys.read_key_file`` accepts."""
-    value = _raw("KEY_FILE") or ""
+    value = read_raw("KEY_FILE") or ""
     if value:
         try:
             keys.read_key_file(value)
@@ -276,26 +176,26 @@ def key_file() -> str:
 def s3_multipart_threshold() -> int:
     """S3 objects of at least this many bytes are uploaded in parts (and downloaded by ranges):
     1 byte to 5 TiB (S3's largest object)."""
-    return _int("S3_MULTIPART_THRESHOLD", 64 * 1024 * 1024, 1, 5 << 40)
+    return read_int("S3_MULTIPART_THRESHOLD", 64 * 1024 * 1024, 1, 5 << 40)
 
 
 @setting("S3_PART_SIZE", "integer")
 def s3_part_size() -> int:
     """Size of one multipart part or download range (boto3 raises it to S3's 5 MiB minimum):
     1 byte to 5 GiB (S3's largest part)."""
-    return _int("S3_PART_SIZE", 16 * 1024 * 1024, 1, 5 << 30)
+    return read_int("S3_PART_SIZE", 16 * 1024 * 1024, 1, 5 << 30)
 
 
 @setting("S3_PART_THREADS", "integer")
 def s3_part_threads() -> int:
     """Parts of one large S3 object transferred at once (on top of the io_threads objects)."""
-    return _int("S3_PART_THREADS", 4, 1, 256)
+    return read_int("S3_PART_THREADS", 4, 1, 256)
 
 
 @setting("S3_MAX_ATTEMPTS", "integer")
 def s3_max_attempts() -> int:
     """Attempts per S3 request in botocore's standard retry mode (first try included), 1 to 100."""
-    return _int("S3_MAX_ATTEMPTS", 5, 1, 100)
+    return read_int("S3_MAX_ATTEMPTS", 5, 1, 100)
 
 
 @setting("S3_TIMEOUT", "number")
@@ -305,7 +205,7 @@ def s3_timeout() -> float:
     defaults a command against an endpoint that accepts connections and never answers fails
     within a minute: 5 attempts of 8 s plus botocore's backoff between them (at most 1 + 2 +
     4 + 8 s)."""
-    return _float("S3_TIMEOUT", 8.0, 3600.0, positive=True, limit="an hour")
+    return read_float("S3_TIMEOUT", 8.0, 3600.0, positive=True, limit="an hour")
 
 
 @setting("S3_FRESHEN_AFTER", "number")
@@ -316,7 +216,7 @@ def s3_freshen_after() -> float:
     Freshening an S3 object copies it onto itself; skipping young ones keeps re-commits cheap.
     gc's grace period must be longer than this plus the longest commit.
     """
-    return _float("S3_FRESHEN_AFTER", 300.0, 30 * DAY, limit="30 days")
+    return read_float("S3_FRESHEN_AFTER", 300.0, 30 * DAY, limit="30 days")
 
 
 # -- formats and bounds --------------------------------------------------------------------------
@@ -325,20 +225,20 @@ def s3_freshen_after() -> float:
 @setting("SAMPLE_SIZE", "integer")
 def sample_size() -> int:
     """Elements of each parameter sampled per commit for update statistics (ckptstore.stats)."""
-    return _int("SAMPLE_SIZE", 256, 0, 1 << 20)
+    return read_int("SAMPLE_SIZE", 256, 0, 1 << 20)
 
 
 @setting("MAP_BYTES", "integer")
 def map_bytes() -> int:
     """A local object's byte range at least this long is mapped rather than read (0: none
     is): the decoder then reads the page cache in place instead of a copy in fresh memory."""
-    return _int("MAP_BYTES", 1 << 20, 0, MAX_BYTES)
+    return read_int("MAP_BYTES", 1 << 20, 0, MAX_BYTES)
 
 
 @setting("MAX_FILE_BYTES", "integer")
 def max_file_bytes() -> int:
     """Largest auxiliary file a commit stores with a step (``commit(files=...)``)."""
-    return _int("MAX_FILE_BYTES", 256 * 1024 * 1024, 0, MAX_BYTES)
+    return read_int("MAX_FILE_BYTES", 256 * 1024 * 1024, 0, MAX_BYTES)
 
 
 @setting("PACK_BYTES", "integer")
@@ -346,27 +246,27 @@ def pack_bytes() -> int:
     """Tensor bytes past which a rank's pack of one layer is cut into several (format 2): bounds
     one object (and the spill file a commit encodes it into), and lets a big layer compress on
     several cores. At most 5 TiB, S3's largest object."""
-    return _int("PACK_BYTES", 32 * 1024 * 1024, 1, 5 << 40)
+    return read_int("PACK_BYTES", 32 * 1024 * 1024, 1, 5 << 40)
 
 
 @setting("MANIFEST_MAX_EXPANSION", "integer")
 def manifest_max_expansion() -> int:
     """A manifest may decompress to at most this many times its stored size (or
     ``manifest_min_bound``): its JSON compresses about ten times, a zstd bomb thousands."""
-    return _int("MANIFEST_MAX_EXPANSION", 64, 1, 1 << 20)
+    return read_int("MANIFEST_MAX_EXPANSION", 64, 1, 1 << 20)
 
 
 @setting("MANIFEST_MIN_BOUND", "integer")
 def manifest_min_bound() -> int:
     """Bytes any manifest may decompress to, however small it is stored (at most 16 GiB)."""
-    return _int("MANIFEST_MIN_BOUND", 4 * 1024 * 1024, 1, 1 << 34)
+    return read_int("MANIFEST_MIN_BOUND", 4 * 1024 * 1024, 1, 1 << 34)
 
 
 @setting("READAHEAD_BYTES", "integer")
 def readahead_bytes() -> int:
     """Bytes of pack entries a reader that reads whole steps may fetch ahead of being asked
     for them (coalesced into few requests a pack); past it, entries are read one by one."""
-    return _int("READAHEAD_BYTES", 128 * 1024 * 1024, 0, MAX_BYTES)
+    return read_int("READAHEAD_BYTES", 128 * 1024 * 1024, 0, MAX_BYTES)
 
 
 @setting("EXPORT_BUFFER_BYTES", "integer")
@@ -374,7 +274,7 @@ def export_buffer_bytes() -> int:
     """Memory export keeps for casting tensors it reads whole (a DCP step's, a format-1 blob's;
     those in packs are decoded a piece at a time), reused from one tensor to the next (a tensor
     that alone needs more gets it, one at a time). 0, the default: a 4 MiB window per ``cpu_threads``."""
-    return _int("EXPORT_BUFFER_BYTES", 0, 0, MAX_BYTES)
+    return read_int("EXPORT_BUFFER_BYTES", 0, 0, MAX_BYTES)
 
 
 # -- the local tier ------------------------------------------------------------------------------
@@ -383,49 +283,49 @@ def export_buffer_bytes() -> int:
 @setting("LOCAL_KEEP", "integer")
 def local_keep() -> int:
     """Steps whose objects a local tier keeps once they are uploaded (``local_keep=``)."""
-    return _int("LOCAL_KEEP", 2, 0, 1_000_000)
+    return read_int("LOCAL_KEEP", 2, 0, 1_000_000)
 
 
 @setting("LOCAL_UPLOAD", "choice")
 def local_upload() -> str:
     """How a local tier uploads: "background" (a thread, as steps land) or "drain" (only when
     ``drain`` is called, or from ``ckptstore drain``). BadInputError for anything else."""
-    value = _raw("LOCAL_UPLOAD") or "background"
+    value = read_raw("LOCAL_UPLOAD") or "background"
     if value not in ("background", "drain"):
-        raise _bad("LOCAL_UPLOAD", value, "background or drain")
+        raise bad_value("LOCAL_UPLOAD", value, "background or drain")
     return value
 
 
 @setting("LOCAL_MAX_BYTES", "integer")
 def local_max_bytes() -> int:
     """Bytes of steps not uploaded yet past which a commit waits for the uploads (0: no limit)."""
-    return _int("LOCAL_MAX_BYTES", 0, 0, MAX_BYTES)
+    return read_int("LOCAL_MAX_BYTES", 0, 0, MAX_BYTES)
 
 
 @setting("LOCAL_RETRY_FIRST", "number")
 def local_retry_first() -> float:
     """Seconds before a failed background upload is first retried (doubling each time); above
     0 (0 would retry in a busy loop), at most an hour."""
-    return _float("LOCAL_RETRY_FIRST", 1.0, 3600.0, positive=True, limit="an hour")
+    return read_float("LOCAL_RETRY_FIRST", 1.0, 3600.0, positive=True, limit="an hour")
 
 
 @setting("LOCAL_RETRY_LONGEST", "number")
 def local_retry_longest() -> float:
     """The longest wait between retries of a failing background upload, in seconds (at most a day)."""
-    return _float("LOCAL_RETRY_LONGEST", 60.0, DAY, positive=True, limit="a day")
+    return read_float("LOCAL_RETRY_LONGEST", 60.0, DAY, positive=True, limit="a day")
 
 
 @setting("LOCAL_POLL_SECONDS", "number")
 def local_poll_seconds() -> float:
     """How often the background uploader looks for steps a commit it was not told of left
     (above 0, at most an hour)."""
-    return _float("LOCAL_POLL_SECONDS", 2.0, 3600.0, positive=True, limit="an hour")
+    return read_float("LOCAL_POLL_SECONDS", 2.0, 3600.0, positive=True, limit="an hour")
 
 
 @setting("LOCAL_WAIT_RANKS", "number")
 def local_wait_ranks() -> float:
     """Seconds a drain without a timeout waits for other ranks' uploads of a step (at most a week)."""
-    return _float("LOCAL_WAIT_RANKS", 600.0, 7 * DAY, limit="a week")
+    return read_float("LOCAL_WAIT_RANKS", 600.0, 7 * DAY, limit="a week")
 
 
 # -- what the CLI shows --------------------------------------------------------------------------
@@ -434,13 +334,13 @@ def local_wait_ranks() -> float:
 @setting("PROGRESS", "flag")
 def progress() -> bool:
     """Whether progress bars may be shown on a terminal (0 hides them)."""
-    return _flag("PROGRESS", True)
+    return read_flag("PROGRESS", True)
 
 
 @setting("DEBUG", "flag")
 def debug() -> bool:
     """Whether the CLI shows the traceback of an internal error."""
-    return _flag("DEBUG", False)
+    return read_flag("DEBUG", False)
 
 
 # -- read by the test suite only -----------------------------------------------------------------
@@ -449,10 +349,10 @@ def debug() -> bool:
 @setting("FUZZ_EXAMPLES", "integer", tests_only=True)
 def fuzz_examples() -> int:
     """Examples per property of tests/test_parser_fuzz.py."""
-    return _int("FUZZ_EXAMPLES", 300, 1, 10_000_000)
+    return read_int("FUZZ_EXAMPLES", 300, 1, 10_000_000)
 
 
 @setting("TEST_HARD_EXIT", "flag", tests_only=True)
 def hard_exit_in_tests() -> bool:
     """Whether pytest leaves through ``os._exit`` (tests/conftest.py)."""
-    return _flag("TEST_HARD_EXIT", False)
+    return read_flag("TEST_HARD_EXIT", False)

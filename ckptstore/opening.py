@@ -14,6 +14,7 @@ from typing import Any
 
 from . import knobs, private
 from .arguments import check_path
+from .catalog import file as catalog_file
 from .catalog import sync
 from .errors import BadInputError, CkptStoreError, StorageError, require_int
 from .format.config import ensure_config
@@ -92,13 +93,13 @@ def open(  # noqa: A001 - the public name
         objects.content_hash = content_hash
         offline = True
     if not local:
-        return Store(objects, sync.open_catalog(objects))
+        return Store(objects, catalog_file.open_catalog(objects))
     tiered, tier = _open_tier(
         objects, local, endpoint_url, offline=offline,
         keep=knobs.local_keep() if local_keep is None else local_keep,
         max_bytes=knobs.local_max_bytes() if local_max_bytes is None else local_max_bytes,
     )  # fmt: skip
-    store = Store(tiered, sync.open_catalog(tiered), tier=tier)
+    store = Store(tiered, catalog_file.open_catalog(tiered), tier=tier)
     upload = knobs.local_upload() if local_upload is None else local_upload
     if upload not in ("background", "drain"):
         store.close()
@@ -134,7 +135,7 @@ def rebuild_catalog(
     """
     knobs.check_all()
     objects = _open_objects(uri, create=False, endpoint_url=endpoint_url, content_hash=content_hash_for(key))
-    return sync.rebuild(sync.catalog_path(objects), objects)
+    return catalog_file.rebuild(sync.catalog_path(objects), objects)
 
 
 def _open_objects(

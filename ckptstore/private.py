@@ -50,21 +50,25 @@ def require_private(folder: str | os.PathLike, what: str, files: Iterable[str] =
     me = os.geteuid()
     for name in files:
         path = folder / name
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise BadInputError(f"cannot check {what} file {path}: {exc.strerror}") from None
-        _check(path, st, f"{what} file", owners={me}, sticky_allowed=False)
+        st = _stat(path, f"{what} file {path}")
+        if st is not None:
+            _check(path, st, f"{what} file", owners={me}, sticky_allowed=False)
     for i, path in enumerate((folder, *folder.parents)):
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise BadInputError(f"cannot check the folder {path} of {what}: {exc.strerror}") from None
-        _check(path, st, what if i == 0 else f"a folder above {what}", owners={me, 0}, sticky_allowed=i > 0)
+        st = _stat(path, f"the folder {path} of {what}")
+        if st is not None:
+            _check(
+                path, st, what if i == 0 else f"a folder above {what}", owners={me, 0}, sticky_allowed=i > 0
+            )
+
+
+def _stat(path: Path, what: str) -> os.stat_result | None:
+    """``path``'s status, None if it does not exist; BadInputError naming ``what`` if it cannot be read."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise BadInputError(f"cannot check {what}: {exc.strerror}") from None
 
 
 def _check(path: Path, st: os.stat_result, what: str, *, owners: set[int], sticky_allowed: bool) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ckptstore
-from ckptstore import knobs
+from ckptstore import knobs, settings
 from ckptstore.errors import BadInputError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_an_empty_setting_is_its_default(store, monkeypatch):
 
 
 def test_an_unknown_setting_is_one_warning_line_naming_the_close_one(run, store, monkeypatch, caplog):
-    monkeypatch.setattr(knobs, "_warned", set())
+    monkeypatch.setattr(settings, "_warned", set())
     misspelt = "CKPTSTORE_" + "LOCALKEEP"
     monkeypatch.setenv(misspelt, "3")
     unlike = "CKPTSTORE_" + "NOTHING_LIKE_IT"

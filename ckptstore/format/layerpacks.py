@@ -100,6 +100,7 @@ def decode(
     each: with ``numels`` the counts the head declares are held to that before the rest of
     the frame is decompressed. Without it they are held only to the frame's declared size.
     """
+    data = bytes(data)  # kept as the index's ``encoded``; no copy of what is bytes already
     what, tensors, n, m, keys, ints = _parse(data, step, layer, numels)
     ranks, sizes, raws = ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n]
     tensor, pack, gap, numel = (ints[3 * n + i * m : 3 * n + (i + 1) * m] for i in range(4))
@@ -124,8 +125,7 @@ def decode(
             raws.tolist(),
         )
     )
-    encoded = data if isinstance(data, bytes) else bytes(data)
-    return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64), encoded=encoded)
+    return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64), encoded=data)
 
 
 class EncodedLayerPacks(LayerPacks):
@@ -170,11 +170,10 @@ def decode_lazily(
 
 
 def _parse(
-    data: bytes | memoryview, step: int, layer: str, numels: Mapping[str, int] | None
+    data: bytes, step: int, layer: str, numels: Mapping[str, int] | None
 ) -> tuple[str, list[tuple[str, str, str]], int, int, bytes, np.ndarray]:
     """``(what, tensors, n packs, m fragments, pack keys, the integer columns)`` of an index's
     bytes, its frame and lengths checked (see ``decode``)."""
-    data = bytes(data)
     what = f"the pack index of {layer} at step {step}"
     if len(data) < _PREAMBLE.size or data[:4] != MAGIC:
         raise CorruptError(f"{what} is not one (bad magic)")

@@ -1,0 +1,133 @@
+"""The registry of ``CKPTSTORE_*`` settings and the parsing of their values.
+
+A setting is a reader function registered under its name with ``setting``; the readers and
+their ranges are ``knobs``'. The parsers here turn a variable's text into an integer, a
+number, a flag or a directory within a range, or raise BadInputError naming the variable.
+``warn_unknown`` names the ``CKPTSTORE_*`` variables no setting reads (a misspelt setting
+would otherwise be silently unused).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BadInputError, clip
+
+PREFIX = "CKPTSTORE_"
+
+log = logging.getLogger("ckptstore")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A registered setting: ``read()`` returns its value or raises BadInputError naming it;
+    ``kind`` is what it takes (integer, number, flag, choice, directory, store, key file)."""
+
+    name: str
+    kind: str
+    read: Callable[[], object]
+    tests_only: bool = False
+
+
+#: Every setting, by its full name (``CKPTSTORE_IO_THREADS``).
+SETTINGS: dict[str, Setting] = {}
+
+_warned: set[str] = set()
+
+
+def setting(name: str, kind: str, *, tests_only: bool = False):
+    """Register the decorated reader as ``CKPTSTORE_<name>``."""
+
+    def register(read):
+        SETTINGS[PREFIX + name] = Setting(PREFIX + name, kind, read, tests_only)
+        return read
+
+    return register
+
+
+def warn_unknown() -> None:
+    """Log one warning line for each ``CKPTSTORE_*`` variable that is no registered setting,
+    naming the closest setting; each unknown name is warned about once per process."""
+    for name in sorted(os.environ):
+        if name.startswith(PREFIX) and name not in SETTINGS and name not in _warned:
+            _warned.add(name)
+            close = difflib.get_close_matches(name, list(SETTINGS), n=1, cutoff=0.7)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            log.warning("ckptstore: %s is not a ckptstore setting; it is ignored%s", name, hint)
+
+
+def read_raw(name: str) -> str | None:
+    return os.environ.get(PREFIX + name)
+
+
+def read_int(name: str, default: int, minimum: int, maximum: int) -> int:
+    """``CKPTSTORE_<name>`` as an integer in ``minimum..maximum`` (``default`` when unset or
+    empty); BadInputError naming it when it is not one."""
+    value = read_raw(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or not minimum <= number <= maximum:
+        raise bad_value(name, value, f"an integer from {minimum} to {maximum}")
+    return number
+
+
+def read_float(
+    name: str, default: float, maximum: float, *, positive: bool = False, limit: str = ""
+) -> float:
+    """``CKPTSTORE_<name>`` as a number from 0 (above 0 when ``positive``) to ``maximum``
+    (``default`` when unset or empty; ``limit`` says the maximum in words); BadInputError naming
+    it when it is not one. NaN is never one: it compares false with everything, and so would
+    switch off what it bounds."""
+    value = read_raw(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (0 < number if positive else 0 <= number) or not number <= maximum:
+        low = "above 0, at most" if positive else "from 0 to"
+        raise bad_value(name, value, f"a number {low} {maximum:.15g}{f' ({limit})' if limit else ''}")
+    return number
+
+
+def read_flag(name: str, default: bool) -> bool:
+    """``CKPTSTORE_<name>`` as a yes/no: 1/true/yes/on or 0/false/no/off (any case)."""
+    value = read_raw(name)
+    if value is None or not value.strip():
+        return default
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise bad_value(name, value, "1 or 0 (true/false, yes/no, on/off)")
+
+
+def read_directory(name: str) -> str:
+    """``CKPTSTORE_<name>`` as a directory path ("" when unset) that is, or can become, a
+    directory: neither it nor the nearest of its parents that exists is anything else."""
+    value = read_raw(name) or ""
+    if value:
+        path = Path(value).expanduser().absolute()
+        nearest = next((p for p in (path, *path.parents) if p.exists()), None)
+        if nearest is not None and not nearest.is_dir():
+            what = "is" if nearest == path else f"lies under {nearest}, which is"
+            raise bad_value(name, value, f"a directory (it {what} not a directory)", plain=True)
+    return value
+
+
+def bad_value(name: str, value: str, kind: str, *, plain: bool = False) -> Exception:
+    if plain:
+        return BadInputError(f"{PREFIX}{name}={clip(value, 120)}: must be {kind}")
+    return BadInputError(f"{PREFIX}{name} must be {kind}, not {clip(repr(value), 40)}")
