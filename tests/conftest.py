@@ -45,6 +45,10 @@ def pytest_configure(config):
         "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
     ):
         config.addinivalue_line("filterwarnings", line)
+    config.addinivalue_line(
+        "markers",
+        "either_key: in the KEYED_SUITE, run once, with a key or without (alternating), not both",
+    )
 
 
 class CliResult(NamedTuple):
@@ -97,6 +101,26 @@ KEYED_SUITE = {
 def pytest_generate_tests(metafunc):
     if metafunc.module.__name__.rsplit(".", 1)[-1] in KEYED_SUITE:
         metafunc.parametrize("store_key", ["no-key", "key"], indirect=True, scope="module")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Of each ``either_key`` test of the KEYED_SUITE (multi-process jobs, the slowest of the
+    suite), keep one mode: with a key and without alternate from one such test (or parameter
+    set) to the next in each module, so both modes still run every kind of job, and the
+    module's other tests run both. Each mode alone costs these tests as much as both did."""
+    keep, dropped, seen = [], [], {}
+    for item in items:
+        mode = getattr(getattr(item, "callspec", None), "params", {}).get("store_key")
+        if mode is None or item.get_closest_marker("either_key") is None:
+            keep.append(item)
+            continue
+        others = tuple((k, repr(v)) for k, v in item.callspec.params.items() if k != "store_key")
+        group = (item.module.__name__, item.originalname, others)
+        wanted = seen.setdefault(group, "key" if sum(g[0] == group[0] for g in seen) % 2 == 0 else "no-key")
+        (keep if mode == wanted else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(scope="module", autouse=True)

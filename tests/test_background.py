@@ -164,6 +164,7 @@ def test_closing_the_store_flushes_a_commit_in_flight(tmp_path):
         store.commit(engine, step=2)
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_interpreter_exit_flushes_a_commit_in_flight(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     result = subprocess.run([sys.executable, str(WORKER), "commit-async-exit", str(tmp_path / "store")],

@@ -202,6 +202,7 @@ def test_cli_export_writes_the_folder_and_explains_errors(committed, run, tmp_pa
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_steps_committed_on_two_ranks_export_like_deepspeeds_consolidation(tmp_path):
     from tests.test_many_ranks import torchrun
 

@@ -186,6 +186,7 @@ def test_verify_detects_truncation_trailing_garbage_and_a_pack_under_another_nam
 
 
 @pytest.mark.parametrize("stage", ["blob", "manifest", "catalog"])
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_a_commit_killed_at_any_stage_leaves_the_previous_step_and_its_own_only_once_its_manifest_is_written(
     tmp_path, stage
 ):
@@ -209,6 +210,7 @@ def test_a_commit_killed_at_any_stage_leaves_the_previous_step_and_its_own_only_
     assert store.verify().orphans == []
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_kill_9_during_commits_never_leaves_a_broken_step(tmp_path):
     rng = random.Random(7)
     store_path = tmp_path / "store"
@@ -230,6 +232,7 @@ def test_kill_9_during_commits_never_leaves_a_broken_step(tmp_path):
         store.close()
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_gc_and_commits_in_parallel_processes_lose_nothing(tmp_path):
     store_path, dumps = tmp_path / "store", tmp_path / "dumps"
     dumps.mkdir()
@@ -280,6 +283,7 @@ def test_a_gc_killed_half_way_is_finished_by_the_next_one(tmp_path):
     assert same(materialized(store, 4, tmp_path / "after"), before)
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_gc_over_ten_thousand_steps_keeps_exactly_what_the_kept_steps_need(tmp_path):
     from tools.bench_gc import build_synthetic_store
 

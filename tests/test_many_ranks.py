@@ -18,6 +18,9 @@ from tools.engines import batches, build_engine, free_port, train
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
+# Every test here runs a torchrun job: each runs with a key or without, alternating (conftest).
+pytestmark = pytest.mark.either_key
+
 
 def torchrun(mode: str, root: Path, nproc: int = 2) -> list[dict]:
     """Run one worker mode on ``nproc`` ranks; returns each rank's observations."""

@@ -110,6 +110,7 @@ def test_restore_takes_a_step_the_load_options_and_refuses_what_it_cannot_restor
         destroy_engine(e)
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_restore_across_world_sizes_1_to_2_2_to_2_and_2_to_1(tmp_path):
     from tests.test_many_ranks import torchrun
 
@@ -139,6 +140,7 @@ def test_restore_across_world_sizes_1_to_2_2_to_2_and_2_to_1(tmp_path):
         destroy_engine(restored)
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_says_what_it_left(tmp_path):
     from tests.test_many_ranks import torchrun
 
@@ -162,6 +164,7 @@ def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_says_what_it_left
     assert rank0["again"] and rank1["again"]
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_the_benchmark_reports_restore_against_both_ways_deepspeed_resumes(tmp_path):
     import os
     import subprocess

@@ -237,6 +237,7 @@ def build_variant(stage, dtype, seed, freeze=None, **overrides):
     ids=["bf16-optimizer", "torch-adam-zero0", "unfused-zero0-bf16", "torch-adam-zero2", "frozen-zero1", "frozen-zero2", "frozen-zero3",
          "zero3-subgroups"],
 )  # fmt: skip
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_engine_variants_resume_bit_exactly(tmp_path, stage, dtype, freeze, overrides):
     store = ckptstore.open(tmp_path / "store")
     engine = build_variant(stage, dtype, 0, freeze, **overrides)

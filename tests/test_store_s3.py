@@ -50,6 +50,7 @@ def test_a_step_committed_on_one_machine_resumes_bit_exactly_on_another(s3, mach
     assert train(resumed, DATA[3:]) == uninterrupted
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_two_ranks_commit_into_s3_and_another_machine_resumes_exactly(s3, machine, tmp_path, monkeypatch):
     monkeypatch.setenv("CKPTSTORE_STORE", s3.uri())  # the torchrun children inherit the endpoint too
     for rank, observed in enumerate(torchrun("s3", tmp_path)):

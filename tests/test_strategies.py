@@ -155,6 +155,7 @@ def test_strategy_arguments_are_checked():
         UpdateMagnitude(threshold=0.1, max_age=0)
 
 
+@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
 def test_two_ranks_choose_the_same_layers_and_record_whole_tensor_samples(tmp_path):
     rank0, rank1 = torchrun("tailor", tmp_path)
     for config in ("tailor-zero2", "tailor-zero3"):
