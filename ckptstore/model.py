@@ -12,6 +12,7 @@ once; the manifest format encodes it, the catalog records it, and the commit poi
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -213,6 +214,21 @@ class LayerPacks:
 Updates = dict[str, tuple[int | None, float | None]]
 
 
+#: The front doors a step comes in through: an engine commit (DeepSpeed), or DCP's ``dcp.save``
+#: through ``StoreWriter``, whose descriptions say ``"format": "dcp"`` (DeepSpeed's have none).
+DEEPSPEED_DOOR, DCP_DOOR = "deepspeed", "dcp"
+
+
+def front_door(description: str | dict) -> str:
+    """Which front door wrote a step, from its description (canonical JSON text, or parsed):
+    ``DCP_DOOR`` or ``DEEPSPEED_DOOR``. What reads or extends a step routes on this, never on
+    a door's own package."""
+    if isinstance(description, str):
+        description = json.loads(description)
+    is_dcp = isinstance(description, dict) and description.get("format") == DCP_DOOR
+    return DCP_DOOR if is_dcp else DEEPSPEED_DOOR
+
+
 @dataclass
 class StepRecord:
     """Everything the store keeps about one step, self-contained.
@@ -244,6 +260,11 @@ class StepRecord:
     weights_only: bool = False
     # A step committed again after a deletion: the generation deleted (``format.deletions``)
     supersedes: int | None = None
+
+    @property
+    def front_door(self) -> str:
+        """Which front door wrote this step (``front_door``)."""
+        return front_door(self.description)
 
     @property
     def layers_saved(self) -> list[str]:

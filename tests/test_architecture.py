@@ -74,6 +74,19 @@ def test_no_module_imports_a_layer_above_its_own():
     assert upward == []
 
 
+def test_the_deepspeed_verbs_ask_the_step_record_not_the_dcp_door_which_door_wrote_a_step():
+    # Which front door wrote a step is a fact of its record (model.front_door): commit/ and
+    # materialize/ route on it without reaching into another door's package.
+    reaching = [
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if module.split(".")[0] in ("commit", "materialize")
+        for target in targets
+        if target.split(".")[0] == "dcp"
+    ]
+    assert reaching == []
+
+
 def test_there_is_no_import_cycle():
     graph = import_graph()
     state: dict[str, str] = {}

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 from .. import strategies
 from ..catalog import Catalog
-from ..dcp import is_dcp_step
 from ..errors import BadInputError, ConflictError
 from ..layers import ordered_layers
-from ..model import Updates
+from ..model import DCP_DOOR, Updates, front_door
 from . import stats
 
 
@@ -154,7 +153,7 @@ def _inheritance_refusal(
             "inherited from it; commit every layer (layers=None)"
         )
     before = json.loads(catalog.description(previous))
-    if is_dcp_step(before):
+    if front_door(before) == DCP_DOOR:
         return (
             f"step {previous} was saved through PyTorch DCP; a DeepSpeed step cannot inherit its layers: "
             "commit every layer (layers=None)"

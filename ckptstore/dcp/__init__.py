@@ -12,10 +12,11 @@ from typing import Protocol
 
 from ..catalog import Catalog
 from ..errors import CorruptError
+from ..model import DCP_DOOR, front_door
 from ..objects import ObjectStore
 
 # ``format`` of a step description written through DCP (DeepSpeed's descriptions have none).
-DCP_FORMAT = "dcp"
+DCP_FORMAT = DCP_DOOR
 
 
 class StoreParts(Protocol):
@@ -31,9 +32,7 @@ class StoreParts(Protocol):
 
 def is_dcp_step(description: str | dict) -> bool:
     """Whether a step description (JSON text or data) is that of a step saved through DCP."""
-    if isinstance(description, str):
-        description = json.loads(description)
-    return isinstance(description, dict) and description.get("format") == DCP_FORMAT
+    return front_door(description) == DCP_DOOR
 
 
 def dcp_description(catalog: Catalog, step: int) -> dict | None:

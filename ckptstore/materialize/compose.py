@@ -28,9 +28,9 @@ from typing import Any
 import yaml
 
 from ..catalog import Catalog
-from ..dcp import is_dcp_step
 from ..errors import BadInputError, NotFoundError, require_int
 from ..layers import block_index, is_block
+from ..model import DCP_DOOR, front_door
 
 Spec = str | os.PathLike | Mapping[str, Any]
 _KEYS = ("state", "slices", "aux")
@@ -64,7 +64,7 @@ def step_or_spec(
 
 def refuse_dcp_step(catalog: Catalog, step: int, verb: str) -> None:
     """BadInputError if ``step`` was saved through DCP, saying what reads it instead."""
-    if is_dcp_step(catalog.description(step)):
+    if front_door(catalog.description(step)) == DCP_DOOR:
         raise BadInputError(
             f"step {step} was saved through PyTorch DCP (StoreWriter), not from a DeepSpeed engine, so "
             f"{verb} cannot read it: load it with dcp.load(state, storage_reader=StoreReader(store, step={step}))"
