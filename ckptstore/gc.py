@@ -214,19 +214,22 @@ def collect(
             steps, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
             best=_best_steps(catalog, rules), other_rules=weights_rules,
         )  # fmt: skip
-        missing = sorted(set(drop_steps) - set(steps))
+        drop_steps = set(drop_steps)  # once: an iterator would be spent by the first look
+        missing = sorted(drop_steps - set(steps))
         if missing:
             raise BadInputError(f"cannot drop steps that do not exist: {', '.join(map(str, missing))}")
-        kept = [s for s in kept if s not in set(drop_steps)]
+        kept = [s for s in kept if s not in drop_steps]
+        decided = set(kept) | drop_steps  # kept whole, or dropped by request
         weights = weights_to_keep(
-            [s for s in steps if s not in set(kept) and s not in set(drop_steps)],
+            [s for s in steps if s not in decided],
             every=keep_weights_every, last=keep_weights_last,
         )  # fmt: skip
         # Only the steps gc keeps are read: the ones it drops go whatever their manifests say.
         sync.load_for_gc(catalog, objects, kept + weights)
         present = set(catalog.known_steps())  # a kept step deleted since the listing is gone
         kept, weights = [s for s in kept if s in present], [s for s in weights if s in present]
-        dropped = [s for s in steps if s in present and s not in set(kept) | set(weights)]
+        staying = set(kept) | set(weights)
+        dropped = [s for s in steps if s in present and s not in staying]
         already = catalog.weights_only_steps() if weights_rules else set()
         none_resumable = weights_rules and not [s for s in kept if s not in already]
         if steps and (not kept and not weights or none_resumable) and not allow_empty:
