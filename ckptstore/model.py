@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,9 @@ class Snapshot:
     pieces: list[Piece]
     rank: int
     world_size: int
+    # Where each model-parallel rank (a pipeline stage, a tensor slice) describes only its own
+    # part: joins the parts of every model-parallel rank into the step's one description.
+    combine: Callable[[list[dict]], dict] | None = None
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,7 @@ def _plan(
     options: dict[str, bool],
 ) -> RankShare:
     """This rank's share of step ``chosen`` (or of ``spec``), checked against the engine, not yet read."""
+    from .deepspeed import parallel
     from .deepspeed.extract import check_engine, dp_rank
     from .deepspeed.load import RankShare, derives_module_weights, engine_tensors, loads_partitions
 
@@ -143,6 +144,7 @@ def _plan(
             f"step {state} was committed by a ZeRO-{description['zero_stage']} engine "
             f"({description['flavour']}); this one runs ZeRO-{stage} ({flavour})"
         )
+    parallel.check_same_split(description, engine, f"step {state}")
     reader = step_reader(objects, catalog, state, description, sources)
     # Where the load copies the fp32 masters and optimizer state into the engine's own buffers,
     # they are decoded straight into those buffers instead: no second copy in memory, and the
@@ -154,4 +156,7 @@ def _plan(
         if loads_partitions(engine, flavour, options)
         else None
     )
-    return RankShare(description, reader, engine.dp_world_size, rank, skip_module_weights=derive, into=into)
+    return RankShare(
+        description, reader, engine.dp_world_size, rank, skip_module_weights=derive, into=into,
+        mp_rank=getattr(engine, "checkpoint_mp_rank", 0),
+    )  # fmt: skip

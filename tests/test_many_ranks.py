@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import ckptstore
-from ckptstore.errors import UnsupportedError
 from tests.dist_worker import RESHARD, commit_only, matches_store
 from tools.engines import batches, build_engine, free_port, train
 
@@ -120,10 +119,3 @@ def test_committed_on_one_rank_loads_on_two(tmp_path):
         for name, run in observed.items():
             assert run["loaded_step"] == 3 and run["wrong"] == [], (rank, name)
             assert all(loss == loss and loss < 10 for loss in run["losses"])
-
-
-def test_model_parallel_engines_are_refused(tmp_path):
-    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
-    engine.mp_world_size = 2  # what a tensor-parallel job reports
-    with pytest.raises(UnsupportedError, match="model parallelism"):
-        ckptstore.open(tmp_path / "store").commit(engine, step=1)

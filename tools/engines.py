@@ -258,6 +258,70 @@ def build_engine(
     return engine
 
 
+class PipelineBlock(torch.nn.Module):
+    """A residual MLP block with a LayerNorm: one pipeline layer of ``build_pipeline_engine``."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(hidden, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.relu(self.fc(x)))
+
+
+def _tied_logits(embedding: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # The output layer is the input embedding transposed (a TiedLayerSpec's forward_fn).
+    return (x @ embedding.weight.t()).reshape(-1, embedding.weight.shape[0])
+
+
+def build_pipeline_engine(
+    stages: int = 2,
+    zero_stage: int = 1,
+    dtype: str = "fp32",
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden: int = 32,
+    vocab: int = 128,
+    **config_overrides: Any,
+):
+    """A DeepSpeed ``PipelineEngine`` over a tiny language model split into ``stages`` stages:
+    a tied embedding (``TiedLayerSpec``, layer 0 and the output layer), then ``num_layers``
+    ``PipelineBlock`` layers. Train it with ``train_pipeline``; every rank of the job calls this."""
+    setup_single_process_env()
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    deepspeed.init_distributed(dist_backend=None, verbose=False)
+    torch.manual_seed(seed)
+    layers = [
+        TiedLayerSpec("embed", torch.nn.Embedding, vocab, hidden, tied_weight_attr="weight"),
+        *[LayerSpec(PipelineBlock, hidden) for _ in range(num_layers)],
+        TiedLayerSpec(
+            "embed", torch.nn.Embedding, vocab, hidden, forward_fn=_tied_logits, tied_weight_attr="weight"
+        ),
+    ]
+    module = PipelineModule(
+        layers, num_stages=stages, loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform"
+    )
+    cfg = ds_config(zero_stage, dtype, **config_overrides)
+    cfg["gradient_accumulation_steps"] = 2  # micro-batches, so that the stages overlap
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=cfg
+    )
+    return engine
+
+
+def train_pipeline(engine, batch_list) -> list[float]:
+    """One ``train_batch`` per two batches (the engine's two micro-batches), each batch's
+    labels its inputs shifted by one; returns the losses (every stage gets the last one's)."""
+    losses = []
+    for first in range(0, len(batch_list) - 1, 2):
+        pairs = [(b, b.roll(-1, dims=1).reshape(-1)) for b in batch_list[first : first + 2]]
+        losses.append(float(engine.train_batch(data_iter=iter(pairs)).float().item()))
+    return losses
+
+
 def add_bench_model_options(parser, *, hidden: int, layers: int, vocab: int, reps: int) -> None:
     """The benchmarks' model size and repetition options, with these defaults."""
     parser.add_argument("--hidden", type=int, default=hidden)

@@ -45,7 +45,8 @@ class CommitReport:
 
 @dataclass
 class _RankShare:
-    """What one rank stored, as the other ranks see it (the description comes from rank 0)."""
+    """What one rank stored, as the other ranks see it (the description comes from rank 0,
+    combined from every model-parallel rank's part where they describe parts)."""
 
     description: dict | None
     world_size: int
@@ -67,21 +68,28 @@ class _RankCommit:
 
     def sample(
         self, take_snapshot: Callable[[], Snapshot], files: auxfiles.FileSpec | None, metrics
-    ) -> stats.RankSamples:
-        """Phase 1: check the step and the metrics, take this rank's snapshot and its share of the samples."""
+    ) -> tuple[stats.RankSamples, dict | None]:
+        """Phase 1: check the step and the metrics, take this rank's snapshot; returns its share
+        of the samples and, where ranks describe their model-parallel part, that part."""
         check_new_step(self.catalog, self.step)
         self.metrics = check_metrics(metrics)
         if self.rank_zero:
             config.upgrade(self.objects)
         self.file_entries = auxfiles.collect(files) if files is not None else None
-        self.snapshot = take_snapshot()
-        return stats.own_samples(self.snapshot.pieces, self.snapshot.description["params"])
+        self.snapshot = snapshot = take_snapshot()
+        # A model-parallel part is the same on every data-parallel rank: the first one sends it.
+        part = snapshot.description if snapshot.combine is not None and snapshot.rank == 0 else None
+        return stats.own_samples(snapshot.pieces, snapshot.description["params"]), part
 
-    def store(self, sampled: list[stats.RankSamples], selection: strategies.Selection) -> _RankShare:
+    def store(
+        self, sampled: list[tuple[stats.RankSamples, dict | None]], selection: strategies.Selection
+    ) -> _RankShare:
         """Phase 2: plan from every rank's samples, then store this rank's pieces of the saved layers."""
         snapshot, self.snapshot = self.snapshot, None  # the tensors are not needed past this phase
         description = snapshot.description
-        samples = stats.merge(sampled, description["params"])
+        if snapshot.combine is not None:
+            description = snapshot.combine([part for _, part in sampled if part is not None])
+        samples = stats.merge([own for own, _ in sampled], description["params"])
         self.plan = plan = plan_commit(self.catalog, self.step, description, samples, selection)
         saved = set(plan.saved)
         pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
@@ -90,7 +98,7 @@ class _RankCommit:
             self.samples = {name: s for name, s in samples.items() if layer_of(name) in saved}
         files = auxfiles.store(self.objects, self.file_entries) if self.file_entries is not None else None
         self.objects.note_share(self.step, snapshot.rank, _share_names(stored, files))
-        return _RankShare(description if snapshot.rank == 0 else None, snapshot.world_size, stored, files)
+        return _RankShare(description if self.rank_zero else None, snapshot.world_size, stored, files)
 
     def step_files(self, shares: list[_RankShare]) -> list[FileRow]:
         """The step's auxiliary files: every rank's (each rank its own paths, the same file from

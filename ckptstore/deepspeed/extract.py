@@ -17,6 +17,7 @@ from ..errors import BadInputError, UnsupportedError
 from ..format import plainstate
 from ..format.codec import dtype_name
 from ..model import BUFFER, FP32, WEIGHT, Piece, Snapshot
+from . import parallel
 from .layout import (
     BASIC,
     BF16_OPTIMIZER,
@@ -68,15 +69,9 @@ def optimizer_flavour(engine: Any) -> str:
 
 
 def check_engine(engine: Any, flavour: str) -> None:
-    """UnsupportedError for engines ckptstore cannot store or restore faithfully (model or
-    pipeline parallelism, elastic checkpoints, parameter-alignment padding)."""
-    if getattr(engine, "mp_world_size", 1) != 1:
-        raise UnsupportedError(
-            f"model parallelism (mp_world_size={engine.mp_world_size}) is not supported yet; "
-            "ckptstore handles data-parallel ZeRO jobs"
-        )
-    if type(engine).__name__ == "PipelineEngine":
-        raise UnsupportedError("pipeline-parallel engines are not supported yet")
+    """UnsupportedError for engines ckptstore cannot store or restore faithfully (tensor
+    parallelism, elastic checkpoints, parameter-alignment padding)."""
+    parallel.check_supported(engine)
     if flavour == ZERO12 and getattr(engine.optimizer, "elastic_checkpoint", False):
         raise UnsupportedError("zero_optimization.elastic_checkpoint is not supported; turn it off")
     if flavour == ZERO12 and any(any(p) for p in engine.optimizer.round_robin_bit16_padding):
@@ -85,7 +80,10 @@ def check_engine(engine: Any, flavour: str) -> None:
 
 def dp_rank(engine: Any) -> int:
     """The engine's rank in its data-parallel group (0 without torch.distributed)."""
-    group = getattr(engine.optimizer, "dp_process_group", None)
+    # A torch optimizer (ZeRO 0) has no group of its own; the engine's is the data-parallel one.
+    group = getattr(engine.optimizer, "dp_process_group", None) or getattr(
+        engine, "data_parallel_group", None
+    )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(group=group)
     return 0
@@ -233,7 +231,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     zero = flavour in (ZERO12, BF16_OPTIMIZER, ZERO3)
     stage = engine.zero_optimization_stage()
     save_frozen = engine.zero_optimization_partition_gradients()
-    module = engine.module_state_dict()
+    pipeline = parallel.is_pipeline(engine)
+    # A pipeline engine's own module_state_dict writes the layer files instead (DeepSpeed's
+    # save_checkpoint calls it for that); the module's state is the base engine's answer.
+    module = _base_engine_class().module_state_dict(engine) if pipeline else engine.module_state_dict()
     model_state = engine._common_checkpoint_state(module, zero, save_frozen)
     model_state.update(client_state or {})
     osd = engine.optimizer.state_dict() if zero else model_state["optimizer"]
@@ -257,6 +258,7 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         groups = _extract_fp16_optimizer(engine, osd, pieces)
     if not zero and rank != 0:
         pieces = []  # ZeRO 0 replicates everything: rank 0 stores it once
+    part, elsewhere = parallel.pipeline_part(engine, list(module)) if pipeline else (None, set())
 
     aliases = _aliases(engine)
     trainable = {name for group in groups for name in group["params"]}
@@ -313,7 +315,17 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         "model_state": extra_model,
         "optimizer_state": extra_optim,
     }
-    return Snapshot(plainstate.to_plain(description), pieces, rank, world_size)
+    if part is None:
+        return Snapshot(plainstate.to_plain(description), pieces, rank, world_size)
+    description["model_parallel"] = part
+    pieces = [piece for piece in pieces if piece.name not in elsewhere]
+    return Snapshot(plainstate.to_plain(description), pieces, rank, world_size, combine=parallel.combine)
+
+
+def _base_engine_class() -> type:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    return DeepSpeedEngine
 
 
 def _zero3_shape(model_state: dict, name: str) -> torch.Size:

@@ -24,7 +24,7 @@ from ..errors import CorruptError
 from ..model import FP32, WEIGHT
 from .fill import MODULE, Filler, TensorSource
 from .layout import BF16_OPTIMIZER, ZERO3, ZERO12
-from .write import Writer
+from .write import StepWriter, model_states_name
 
 
 @functools.cache
@@ -64,7 +64,8 @@ def _memory_engine_class() -> type:
 class RankShare:
     """The checkpoint files one rank of a job reads, built in memory: ``files`` maps each file
     name to its object (``write.Writer``'s, placeholders where stored tensors go), or to None
-    for the files other ranks read. ``fill`` then reads into the placeholders only the elements
+    for the files other ranks read. ``rank`` is its data-parallel rank, ``mp_rank`` its
+    model-parallel one (a pipeline stage). ``fill`` then reads into the placeholders only the elements
     of stored tensors this rank's files hold.
 
     ``skip_module_weights`` (kept as an attribute) leaves the module weights that are fp32
@@ -81,12 +82,19 @@ class RankShare:
         *,
         skip_module_weights: bool,
         into: dict[tuple, torch.Tensor] | None = None,
+        mp_rank: int = 0,
     ) -> None:
-        writer = Writer(description, tensors, world_size, into)
-        listed = writer.files()
+        writer = StepWriter(description, tensors, world_size, into, mp_ranks=[mp_rank])
         self.files: dict[str, object | None] = {
-            name: obj if reader in (None, rank) else None for name, obj, reader in listed
+            name: obj if reader in (None, rank) else None for name, obj, (_, reader) in writer.files()
         }
+        # DeepSpeed lists every model-parallel rank's model-states file and opens the first on
+        # every rank, only to check their number against the mp_world_size saved in it.
+        for other in range(writer.mp_size):
+            if other != mp_rank:
+                self.files[model_states_name(other)] = (
+                    {"mp_world_size": writer.mp_size} if other == 0 else None
+                )
         self._tensors = tensors
         self._filler = Filler(writer.holes, tensors, writer.params)
         self._targets = self._filler.in_memory([obj for obj in self.files.values() if obj is not None])

@@ -23,7 +23,7 @@ from ..errors import CorruptError
 from ..format import plainstate
 from ..format.codec import DTYPES
 from ..model import BUFFER, FP32, WEIGHT
-from . import zero0
+from . import parallel, zero0
 from .fill import MODULE, Filler, Placeholders, Segment, TensorSource, stored_tensor
 from .layout import (
     BASIC,
@@ -46,8 +46,15 @@ def _fragment_address(numel: int, start: int):
     return fragment_address(numel=numel, start=start)
 
 
+def model_states_name(mp_rank: int) -> str:
+    """The model-states file of a model-parallel rank at ZeRO 0-2."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
 class Writer:
-    """Builds the files of one step for one target world size."""
+    """Builds the files of one model-parallel rank of a step for one data-parallel world size
+    (the whole step's, without model parallelism): its description is that rank's
+    (``parallel.rank_description``); ``holes`` may be shared with the other ranks' writers."""
 
     def __init__(
         self,
@@ -55,8 +62,11 @@ class Writer:
         tensors: TensorSource,
         world_size: int,
         into: dict[tuple, torch.Tensor] | None = None,
+        holes: Placeholders | None = None,
     ) -> None:
         self.d = plainstate.from_plain(description)
+        self.model_parallel = self.d.get("model_parallel")
+        self.mp_rank = self.model_parallel["rank"] if self.model_parallel else 0
         self._tensors = tensors
         self.flavour = self.d["flavour"]
         if self.flavour not in (ZERO12, BF16_OPTIMIZER, ZERO3, FP16_OPTIMIZER, FP16_UNFUSED, BASIC):
@@ -64,7 +74,7 @@ class Writer:
         self.stage = self.d["zero_stage"]
         self.world_size = world_size
         self.params = self.d["params"]
-        self.holes = Placeholders()
+        self.holes = holes if holes is not None else Placeholders()
         # An engine's own tensors standing in for placeholders: ``(kind, group, rank)`` -> the
         # buffer to fill in place of that rank's partition of ``kind`` (ZeRO 1/2), and
         # ``(MODULE, name)`` -> the parameter itself, put in the module state dict unread.
@@ -305,10 +315,14 @@ class Writer:
     # -- files -----------------------------------------------------------------------------
 
     def files(self) -> list[tuple[str, object, int | None]]:
-        """Every file of the checkpoint: its name, its object (placeholders where stored tensors
-        go) and the rank that reads it (None: every rank)."""
+        """Every file of this model-parallel rank: its name, its object (placeholders where
+        stored tensors go) and the data-parallel rank that reads it (None: every rank)."""
         files: list[tuple[str, object, int | None]] = []
         module = self.module()
+        mp = f"mp_rank_{self.mp_rank:02d}"
+        layer_files = self.model_parallel.get("layer_files") if self.model_parallel else None
+        # A pipeline's module state is in its layer files; its model-states file has none.
+        states_module = None if layer_files else module
         ds_config = self.d["model_state"].get("ds_config")
         ds_version = self.d["model_state"].get("ds_version")
         prefix = "bf16_" if self.d["bf16"] else ""
@@ -316,21 +330,59 @@ class Writer:
             optim_files = self.zero3_files() if self.flavour == ZERO3 else self.zero12_files()
             for r, osd in enumerate(optim_files):
                 files.append((
-                    f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+                    f"{prefix}zero_pp_rank_{r}_{mp}_optim_states.pt",
                     {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": ds_version},
                     r,
                 ))  # fmt: skip
             if self.flavour == ZERO3:
                 for r in range(self.world_size):
                     files.append(
-                        (f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", self.model_state(r, module, None), r)
+                        (
+                            f"zero_pp_rank_{r}_{mp}_model_states.pt",
+                            self.model_state(r, states_module, None),
+                            r,
+                        )
                     )
             else:
-                files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, None), None))
+                files.append(
+                    (model_states_name(self.mp_rank), self.model_state(0, states_module, None), None)
+                )
         else:
             optimizer = zero0.optimizer_state(self.flavour, self.d, self.stored, self.flat)
-            files.append(("mp_rank_00_model_states.pt", self.model_state(0, module, optimizer), None))
+            files.append(
+                (model_states_name(self.mp_rank), self.model_state(0, states_module, optimizer), None)
+            )
+        for name, keys in layer_files or ():
+            files.append((name, OrderedDict((key, module[full_name]) for key, full_name in keys), None))
         return files
+
+
+class StepWriter:
+    """Builds the files of a step for one data-parallel world size: a ``Writer`` for each
+    model-parallel rank in ``mp_ranks`` (default: every one), sharing their placeholders."""
+
+    def __init__(
+        self,
+        description: dict,
+        tensors: TensorSource,
+        world_size: int,
+        into: dict[tuple, torch.Tensor] | None = None,
+        mp_ranks: list[int] | None = None,
+    ) -> None:
+        self.mp_size = parallel.size(description)
+        self.holes = Placeholders()
+        self._tensors = tensors
+        self.writers = [
+            Writer(parallel.rank_description(description, m), tensors, world_size, into, self.holes)
+            for m in (range(self.mp_size) if mp_ranks is None else mp_ranks)
+        ]
+        self.params = {name: info for writer in self.writers for name, info in writer.params.items()}
+        self.stage = self.writers[0].stage
+
+    def files(self) -> list[tuple[str, object, tuple[int, int | None]]]:
+        """Every file: its name, its object and who reads it, ``(model-parallel rank,
+        data-parallel rank)`` (None: every data-parallel rank of that model-parallel rank)."""
+        return [(name, obj, (w.mp_rank, reader)) for w in self.writers for name, obj, reader in w.files()]
 
     def write(self, tag_dir: Path) -> list[Path]:
         tag_dir.mkdir(parents=True, exist_ok=True)
@@ -350,7 +402,7 @@ def write_checkpoint(
     directory without it is never a usable checkpoint. Raises CorruptError if a needed tensor
     is missing and UnsupportedError for layouts this version cannot write.
     """
-    writer = Writer(description, tensors, world_size or plainstate.from_plain(description)["world_size"])
+    writer = StepWriter(description, tensors, world_size or description["world_size"])
     written = writer.write(out_dir / tag)
     if writer.stage > 0:
         _copy_recovery_scripts(out_dir)

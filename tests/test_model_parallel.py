@@ -1,0 +1,99 @@
+"""Model-parallel DeepSpeed engines: a pipeline's steps are DeepSpeed's own checkpoints.
+
+The jobs run under ``torch.distributed.run`` (gloo on CPU) in tests/model_parallel_worker.py;
+one job runs every configuration, since each start costs a fresh interpreter per rank.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckptstore
+from ckptstore.errors import BadInputError, UnsupportedError
+from tools.engines import build_engine, free_port
+
+WORKER = Path(__file__).with_name("model_parallel_worker.py")
+
+
+def torchrun(mode: str, root: Path, nproc: int = 2) -> list[dict]:
+    """Run one worker mode on ``nproc`` ranks; returns each rank's observations."""
+    result = root / "result"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+         "--master_port", str(free_port()), str(WORKER), mode, str(root), str(result)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(Path(f"{result}.{rank}.json").read_text()) for rank in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def two_stage_pipeline(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("pipeline")
+    return root, torchrun("pipeline", root)
+
+
+CONFIGS = ["zero1-fp32", "zero1-bf16", "zero0-fp32"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_materialized_pipeline_step_is_deepspeeds_own_checkpoint_bit_for_bit(two_stage_pipeline, config):
+    _, observed = two_stage_pipeline
+    run = observed[0][config]
+    assert run["materialized_files"] == run["deepspeed_files"]
+    assert "layer_04-model_states.pt" in run["materialized_files"]
+    assert "mp_rank_01_model_states.pt" in run["materialized_files"]
+    assert run["as_written"] == []
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_pipeline_resumes_from_materialize_and_restore_as_from_deepspeeds_save(two_stage_pipeline, config):
+    _, observed = two_stage_pipeline
+    assert observed[0][config]["differences"] == {"materialized": [], "restore": []}
+    for stage in observed:  # each stage trains on, and gets the last stage's losses
+        losses = stage[config]["losses"]
+        assert losses["materialized"] == losses["restore"] == losses["deepspeed"], config
+
+
+def test_a_two_stage_pipeline_on_four_ranks_data_parallel_in_each_stage_resumes_bit_exactly(tmp_path):
+    observed = torchrun("pipeline_bf16", tmp_path, nproc=4)
+    run = observed[0]["zero1-bf16"]
+    assert "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt" in run["materialized_files"]
+    assert run["materialized_files"] == run["deepspeed_files"] and run["as_written"] == []
+    assert run["differences"] == {"materialized": [], "restore": []}
+    for rank in observed:
+        losses = rank["zero1-bf16"]["losses"]
+        assert losses["materialized"] == losses["restore"] == losses["deepspeed"]
+
+
+def test_a_pipeline_layer_is_a_layer_index_and_a_composite_takes_each_from_its_step(two_stage_pipeline):
+    root, observed = two_stage_pipeline
+    for stage in observed:
+        run = stage["zero1-fp32"]["composite"]
+        assert run["wrong"] == [] and run["wrong_in_store"] == []
+        assert run["sources"] == {"tied_modules.embed": 2, "1": 4, "2": 2, "3": 2, "4": 2}
+    # every stage's weights under the pipeline module's names; the tied weight once
+    assert observed[0]["zero1-fp32"]["composite"]["state_dict_keys"] == [
+        "tied_modules.embed.weight", *[f"{layer}.{p}" for layer in (1, 2, 3, 4)
+                                       for p in ("fc.weight", "fc.bias", "norm.weight", "norm.bias")],
+    ]  # fmt: skip
+    store = ckptstore.open(root / "zero1-fp32" / "store")
+    assert store.verify().ok
+
+
+def test_a_pipeline_step_restores_only_into_a_pipeline_of_its_split(two_stage_pipeline):
+    root, _ = two_stage_pipeline
+    store = ckptstore.open(root / "zero1-fp32" / "store")
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    with pytest.raises(BadInputError, match="pipeline of 2 model-parallel rank"):
+        store.restore(engine, step=2)
+
+
+def test_tensor_parallel_engines_are_refused_naming_what_is_missing(tmp_path):
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    engine.mp_world_size = 2  # what a tensor-parallel job reports
+    with pytest.raises(UnsupportedError, match="tensor parallelism"):
+        ckptstore.open(tmp_path / "store").commit(engine, step=1)
