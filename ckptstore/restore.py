@@ -130,8 +130,8 @@ def _plan(
     options: dict[str, bool],
 ) -> RankShare:
     """This rank's share of step ``chosen`` (or of ``spec``), checked against the engine, not yet read."""
-    from .deepspeed import parallel
-    from .deepspeed.extract import check_engine, dp_rank
+    from .deepspeed import parallel, reshard
+    from .deepspeed.extract import check_engine, dp_rank, extract
     from .deepspeed.load import RankShare, derives_module_weights, engine_tensors, loads_partitions
 
     check_engine(engine, flavour)
@@ -144,8 +144,9 @@ def _plan(
             f"step {state} was committed by a ZeRO-{description['zero_stage']} engine "
             f"({description['flavour']}); this one runs ZeRO-{stage} ({flavour})"
         )
-    parallel.check_same_split(description, engine, f"step {state}")
     reader = step_reader(objects, catalog, state, description, sources)
+    if not parallel.same_split(description, engine, f"step {state}"):
+        description = reshard.recut(description, extract(engine).description, f"step {state}")
     # Where the load copies the fp32 masters and optimizer state into the engine's own buffers,
     # they are decoded straight into those buffers instead: no second copy in memory, and the
     # module weights the load then derives are handed over as the engine's own, never copied.

@@ -159,7 +159,81 @@ def composite(store, engine) -> dict:
     }
 
 
-MODES = {"pipeline": pipeline, "pipeline_bf16": lambda root: pipeline(root, configs=((1, "bf16"),))}
+# What ds_to_universal needs from a pipeline's client: the tied weight every stage keeps a copy of.
+UNIVERSAL_INFO = {
+    "universal_checkpoint_info": {"pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.weight"]}
+}
+
+
+def to_universal(checkpoint: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of one tag folder, in this process."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv = sys.argv
+    sys.argv = ["ds_to_universal", "--input_folder", str(checkpoint), "--output_folder", str(out / checkpoint.name),
+                "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
+    (out / "latest").write_text(checkpoint.name)
+
+
+def weights_unlike_universal(store, universal: Path) -> list[str]:
+    """The names whose ``state_dict`` tensor (the model's fp32 weights) is not the universal
+    checkpoint's ``zero/<name>/fp32.pt``, or which only one of them has."""
+    weights = store.state_dict(2)
+    theirs = {path.name for path in (universal / "zero").iterdir() if path.is_dir()}
+    wrong = sorted(set(weights) ^ theirs)
+    for name in set(weights) & theirs:
+        param = torch.load(universal / "zero" / name / "fp32.pt", weights_only=True)["param"]
+        if not torch.equal(weights[name], param):
+            wrong.append(name)
+    return wrong
+
+
+def reshard(root: Path) -> dict:
+    """A step of 2 stages restored into 1 stage (bf16), and one of 1 stage into 2 (fp32), each
+    compared with DeepSpeed's universal checkpoint of the same state loaded into the same
+    engine (``ds_to_universal``, then ``load_universal``): saved again file by file, trained on."""
+    import ckptstore
+
+    results = {}
+    for committed, restored, dtype in ((2, 1, "bf16"), (1, 2, "fp32")):
+        here = root / f"{committed}to{restored}-{dtype}"
+        store = ckptstore.open(here / "store", create=True)
+        engine = build_pipeline_engine(stages=committed, dtype=dtype)
+        train_pipeline(engine, DATA[:4])
+        store.commit(engine, step=2, client_state=UNIVERSAL_INFO)
+        engine.save_checkpoint(str(here / "deepspeed"), tag=TAG.format(2), client_state=UNIVERSAL_INFO)
+        barrier()
+        if rank() == 0:
+            to_universal(here / "deepspeed" / TAG.format(2), here / "universal")
+        barrier()
+        destroy_engine(engine)
+        universal = {"checkpoint": {"load_universal": True}}
+        resume(
+            store, here, "universal", stages=restored, dtype=dtype, **universal
+        )  # the first resume: see pipeline()
+        run = {"losses": {}}
+        saved = {}
+        for how, options in (("restore", {}), ("universal", universal)):
+            run["losses"][how], saved[how] = resume(store, here, how, stages=restored, dtype=dtype, **options)
+        barrier()
+        if rank() == 0:
+            run["differences"] = differences(saved["restore"], saved["universal"])
+            run["weights_unlike_universal"] = weights_unlike_universal(
+                store, here / "universal" / TAG.format(2)
+            )
+        results[f"{committed}to{restored}-{dtype}"] = run
+    return results
+
+
+MODES = {
+    "pipeline": pipeline,
+    "reshard": reshard,
+    "pipeline_bf16": lambda root: pipeline(root, configs=((1, "bf16"),)),
+}
 
 
 def main() -> None:

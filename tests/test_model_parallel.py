@@ -13,7 +13,14 @@ import pytest
 
 import ckptstore
 from ckptstore.errors import BadInputError, UnsupportedError
-from tools.engines import build_engine, free_port
+from tools.engines import (
+    batches,
+    build_engine,
+    build_pipeline_engine,
+    destroy_engine,
+    free_port,
+    train_pipeline,
+)
 
 WORKER = Path(__file__).with_name("model_parallel_worker.py")
 
@@ -84,11 +91,24 @@ def test_a_pipeline_layer_is_a_layer_index_and_a_composite_takes_each_from_its_s
     assert store.verify().ok
 
 
-def test_a_pipeline_step_restores_only_into_a_pipeline_of_its_split(two_stage_pipeline):
+def test_a_pipeline_step_restored_into_another_number_of_stages_equals_deepspeeds_universal_checkpoint(
+    tmp_path,
+):
+    observed = torchrun("reshard", tmp_path)
+    for config in ("2to1-bf16", "1to2-fp32"):
+        assert observed[0][config]["differences"] == [], config
+        # the weights out, whatever the split, are the universal checkpoint's full tensors
+        assert observed[0][config]["weights_unlike_universal"] == [], config
+    for rank in observed:
+        for config, run in rank.items():
+            assert run["losses"]["restore"] == run["losses"]["universal"], config
+
+
+def test_a_pipeline_step_restores_only_into_a_pipeline(two_stage_pipeline):
     root, _ = two_stage_pipeline
     store = ckptstore.open(root / "zero1-fp32" / "store")
     engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
-    with pytest.raises(BadInputError, match="pipeline of 2 model-parallel rank"):
+    with pytest.raises(BadInputError, match="committed by a pipeline engine, this is an engine without"):
         store.restore(engine, step=2)
 
 
@@ -97,3 +117,21 @@ def test_tensor_parallel_engines_are_refused_naming_what_is_missing(tmp_path):
     engine.mp_world_size = 2  # what a tensor-parallel job reports
     with pytest.raises(UnsupportedError, match="tensor parallelism"):
         ckptstore.open(tmp_path / "store").commit(engine, step=1)
+
+
+def test_an_attached_pipeline_keeps_the_client_state_not_a_layer_file_for_it(tmp_path):
+    from ckptstore.integrations.deepspeed import attach, detach
+
+    engine = build_pipeline_engine(stages=1, dtype="fp32", num_layers=2)  # one stage: this process
+    train_pipeline(engine, batches(2))
+    store = ckptstore.open(tmp_path / "store", create=True)
+    attach(engine, store)
+    try:
+        engine.save_checkpoint(str(tmp_path / "out"), client_state={"epoch": 7})
+    finally:
+        detach(engine)
+    step = store.log()[-1].step
+    model_state = json.loads(store.catalog.description(step))["model_parallel"]["ranks"][0]["model_state"]
+    assert model_state["epoch"] == 7 and "fc.weight" not in model_state
+    assert sorted(store.sources(step)) == ["1", "2", "tied_modules.embed"]
+    destroy_engine(engine)

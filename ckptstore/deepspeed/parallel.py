@@ -112,23 +112,24 @@ def size(description: dict) -> int:
 def rank_description(description: dict, mp_rank: int) -> dict:
     """The description of one model-parallel rank's part, in the shape a step of an engine
     without model parallelism has (its own parameters, groups, module keys and state)."""
-    if "model_parallel" not in description:
-        return description
+    if "ranks" not in description.get("model_parallel", {}):
+        return description  # no model parallelism, or one rank's part already
     own = dict(description["model_parallel"]["ranks"][mp_rank])
     own["params"] = {name: description["params"][name] for name in own["params"]}
     own.update((key, description[key]) for key in _SHARED_KEYS)
     return own
 
 
-def check_same_split(description: dict, engine: Any, what: str) -> None:
-    """BadInputError unless ``engine`` splits its model as the step's engine did (the same
-    number of model-parallel ranks, a pipeline or not): a restore into another split is a
-    reshard, which this version does not do."""
+def same_split(description: dict, engine: Any, what: str) -> bool:
+    """Whether ``engine`` splits its model as the step's engine did (the same number of
+    model-parallel ranks); False for a pipeline of another number of stages, which a restore
+    reshards. BadInputError where one is a pipeline and the other not: their modules differ."""
     was, now = size(description), int(getattr(engine, "mp_world_size", 1))
     was_pipeline = description.get("model_parallel", {}).get("pipeline", False)
-    if (was, was_pipeline) != (now, is_pipeline(engine)):
-        shape = {True: "a pipeline of", False: "an engine with"}
+    if was_pipeline != is_pipeline(engine):
+        kind = {True: "a pipeline engine", False: "an engine without a pipeline"}
         raise BadInputError(
-            f"{what} was committed by {shape[was_pipeline]} {was} model-parallel rank(s); this is "
-            f"{shape[is_pipeline(engine)]} {now}: restoring into another split is not supported yet"
+            f"{what} was committed by {kind[was_pipeline]}, this is {kind[is_pipeline(engine)]}: their "
+            "modules name their parameters differently; export the weights (ckptstore export) to move them"
         )
+    return was == now

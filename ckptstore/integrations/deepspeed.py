@@ -72,8 +72,10 @@ class StoreCheckpointEngine(CheckpointEngine):
 
     def save(self, state_dict: Any, path: str) -> None:
         # Nothing is written: the commit reads the engine's state live. The model-states dict
-        # is where save_checkpoint put its client_state, which the step must keep.
-        if path.endswith("model_states.pt") and self._client_state is None and isinstance(state_dict, dict):
+        # is where save_checkpoint put its client_state, which the step must keep (a
+        # pipeline's layer_XX-model_states.pt files hold only a layer's weights).
+        is_model_states = "mp_rank_" in Path(path).name and path.endswith("model_states.pt")
+        if is_model_states and self._client_state is None and isinstance(state_dict, dict):
             self._client_state = {k: v for k, v in state_dict.items() if k not in _ENGINE_ENTRIES}
 
     def load(self, path: str, map_location=None) -> Any:

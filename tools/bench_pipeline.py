@@ -1,0 +1,117 @@
+"""Benchmark ckptstore on a DeepSpeed pipeline against DeepSpeed's own tools, in the same run.
+
+    python tools/bench_pipeline.py [--hidden 1024 --layers 8 --vocab 16000 --reps 3]
+
+Relaunches itself on 2 ranks under ``torch.distributed.run`` (gloo on CPU): a language model
+of ``--layers`` MLP blocks and a tied embedding, as a 2-stage ``PipelineEngine``, bf16 and
+ZeRO-1. Prints, as ratios measured side by side (absolute times on a shared machine are noise):
+
+- a full commit until durable against ``save_checkpoint`` followed by an fsync of its files
+  (ckptstore's commits are fsynced, DeepSpeed's are not), and the bytes each adds;
+- restoring that 2-stage step into a 1-stage pipeline (``restore`` reshards at read time)
+  against DeepSpeed's way: ``ds_to_universal`` of its directory, then ``load_checkpoint`` with
+  ``load_universal``, with the second copy that conversion writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.bench import barrier_timed, dir_bytes, fsync_tree, relaunch  # noqa: E402
+from tools.engines import batches, build_pipeline_engine, destroy_engine, train_pipeline  # noqa: E402
+
+UNIVERSAL_INFO = {
+    "universal_checkpoint_info": {"pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.weight"]}
+}
+
+
+def to_universal(checkpoint: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of one tag folder (one worker per phase per rank, as the box has)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv, sys.argv = sys.argv, ["ds_to_universal", "--input_folder", str(checkpoint),
+                                "--output_folder", str(out / checkpoint.name)]  # fmt: skip
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
+    (out / "latest").write_text(checkpoint.name)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=16000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        return relaunch(2)
+    import torch.distributed as dist
+
+    import ckptstore
+
+    model = {"hidden": args.hidden, "num_layers": args.layers, "vocab": args.vocab, "dtype": "bf16"}
+    data = batches(2, vocab=args.vocab)
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        work = Path(scratch) if dist.get_rank() == 0 else None
+        shared = [work]
+        dist.broadcast_object_list(shared, src=0)
+        work = shared[0]
+        engine = build_pipeline_engine(stages=2, **model)
+        train_pipeline(engine, data)
+        params = sum(p.numel() for p in engine.module.parameters())
+        ds_times, commit_times = [], []
+        for rep in range(args.reps):
+            folder = work / f"ds{rep}"
+            seconds, _ = barrier_timed(
+                engine.save_checkpoint, str(folder), tag="t", client_state=UNIVERSAL_INFO
+            )
+            ds_times.append(seconds + barrier_timed(fsync_tree, folder)[0])
+            store = ckptstore.open(work / f"store{rep}", create=True)
+            commit_times.append(barrier_timed(store.commit, engine, 2, client_state=UNIVERSAL_INFO)[0])
+        ds_bytes, store_bytes = dir_bytes(work / "ds0"), dir_bytes(work / "store0")
+        destroy_engine(engine)
+
+        universal = work / "universal"
+        seconds_convert = barrier_timed(
+            lambda: dist.get_rank() or to_universal(work / "ds0" / "t", universal)
+        )[0]
+        engine = build_pipeline_engine(stages=1, checkpoint={"load_universal": True}, **model)
+        seconds_load = barrier_timed(engine.load_checkpoint, str(universal), tag="t")[0]
+        destroy_engine(engine)
+        engine = build_pipeline_engine(stages=1, **model)
+        seconds_restore = barrier_timed(ckptstore.open(work / "store0").restore, engine, 2)[0]
+        destroy_engine(engine)
+        universal_bytes = dir_bytes(universal)
+
+        if dist.get_rank() == 0:
+            ds, commit = statistics.median(ds_times), statistics.median(commit_times)
+            uc = seconds_convert + seconds_load
+            print(
+                f"\n2-stage pipeline, 2 ranks, bf16 ZeRO-1, {params / 1e6:.0f}M parameters, median of {args.reps}"
+            )
+            print("| operation | seconds | ratio |")
+            print("|---|---:|---:|")
+            print(f"| save_checkpoint, then fsync (durable) | {ds:.2f} | 1.00x |")
+            print(f"| commit (durable) | {commit:.2f} | {commit / ds:.2f}x |")
+            print(f"| bytes: save_checkpoint {ds_bytes / 2**20:.0f} MiB, store {store_bytes / 2**20:.0f} MiB "
+                  f"| | {store_bytes / ds_bytes:.3f}x |")  # fmt: skip
+            print(f"| ds_to_universal {seconds_convert:.2f} s + load_universal {seconds_load:.2f} s "
+                  f"(second copy: {universal_bytes / 2**20:.0f} MiB) | {uc:.2f} | 1.00x |")  # fmt: skip
+            print(f"| restore into 1 stage (resharded at read time, no copy) | {seconds_restore:.2f} "
+                  f"| {seconds_restore / uc:.2f}x |")  # fmt: skip
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
