@@ -1,6 +1,6 @@
 """Benchmark ckptstore on a DeepSpeed pipeline against DeepSpeed's own tools, in the same run.
 
-    python tools/bench_pipeline.py [--hidden 1024 --layers 8 --vocab 16000 --reps 3]
+    python tools/bench_pipeline.py [--hidden 2048 --layers 8 --vocab 4096 --reps 3]
 
 Relaunches itself on 2 ranks under ``torch.distributed.run`` (gloo on CPU): a language model
 of ``--layers`` MLP blocks and a tied embedding, as a 2-stage ``PipelineEngine``, bf16 and
@@ -18,14 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench import barrier_timed, dir_bytes, fsync_tree, relaunch  # noqa: E402
-from tools.engines import batches, build_pipeline_engine, destroy_engine, train_pipeline  # noqa: E402
+from tools.bench import barrier_timed, dir_bytes, fsync_tree  # noqa: E402
+from tools.engines import batches, build_pipeline_engine, destroy_engine, free_port, train_pipeline  # noqa: E402
 
 UNIVERSAL_INFO = {
     "universal_checkpoint_info": {"pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.weight"]}
@@ -47,20 +48,25 @@ def to_universal(checkpoint: Path, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=16000)
+    parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args()
     if "LOCAL_RANK" not in os.environ:
-        return relaunch(2)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port()), __file__, *sys.argv[1:]]  # fmt: skip
+        return subprocess.run(command).returncode
+    import deepspeed
     import torch.distributed as dist
 
     import ckptstore
 
+    deepspeed.init_distributed(dist_backend=None, verbose=False)
+
     model = {"hidden": args.hidden, "num_layers": args.layers, "vocab": args.vocab, "dtype": "bf16"}
-    data = batches(2, vocab=args.vocab)
+    data = batches(8, vocab=args.vocab)  # 4 optimizer steps, past the first (lr 0 in WarmupLR)
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         work = Path(scratch) if dist.get_rank() == 0 else None
         shared = [work]
