@@ -5,19 +5,19 @@ Each bomb is a few tens of KB written straight into a copy of a small local stor
 whose blob header declares 1 GiB (a real zstd frame of zeros), a pack preamble declaring a
 64 MiB index, a layer index declaring 1 GiB of fragments (in the manifest and the catalog), a
 manifest decompressing to 1 GiB, and an inline state tensor declaring 1 GiB with no bytes.
-Every read runs in a subprocess that compares its peak RSS before and after the read.
+Every read runs in a process of its own (tests/bomb_probe.py) that compares its peak RSS before
+and after the read.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
 import shutil
 import sqlite3
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ import ckptstore
 from ckptstore.errors import CorruptError
 from ckptstore.format import codec, layerpacks, manifest, pack
 from ckptstore.format.layout import manifest_name, pack_name
+from tests import bomb_probe
 from tools.engines import batches, build_engine, free_port, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,47 +36,22 @@ MAX_GROWTH_KB = 100 * 1024
 ENGINE = {"model": "gpt2", "zero_stage": 1, "dtype": "bf16", "seed": 0, "num_layers": 2}
 STEP = 2
 
-# The read under test, in a fresh interpreter: warm up (imports, and for restore the engine),
-# note the peak RSS, run the command, note it again. Prints {"rc", "grown_kb", "out"}.
-_PROBE = r"""
-import io, json, resource, sys, contextlib
-store, command = sys.argv[1], sys.argv[2:]
-import ckptstore, ckptstore.cli, ckptstore.verify, ckptstore.materialize.directory, ckptstore.export.folder
-from ckptstore.errors import CkptStoreError
-engine = None
-if command[0] == "restore":
-    from tools.engines import build_engine
-    engine = build_engine(**json.loads(command[1]))
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-before = peak()
-out = io.StringIO()
-with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-    try:
-        if engine is not None:
-            ckptstore.open(store, create=False).restore(engine, int(command[2]))
-            rc = 0
-        else:
-            ckptstore.cli.main(["--store", store, *command])
-            rc = 0
-    except CkptStoreError as exc:
-        print(type(exc).__name__, exc)
-        rc = exc.exit_code
-    except SystemExit as exc:
-        rc = exc.code or 0
-print(json.dumps({"rc": rc, "grown_kb": peak() - before, "out": out.getvalue()[-2000:]}))
-"""
+
+@pytest.fixture(scope="module")
+def readers():
+    """Where each read runs: a child forked, per read, from a server process that imported
+    tests/bomb_probe.py (and so torch, DeepSpeed and ckptstore) once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tests.bomb_probe"])
+    with context.Pool(1, maxtasksperchild=1) as pool:
+        yield pool
 
 
-def probe(store: Path, *command: str) -> dict:
-    """Run ``command`` (CLI arguments, or ``restore``) on ``store`` in a subprocess, measured."""
+def probe(readers, store: Path, *command: str) -> dict:
+    """Run ``command`` (CLI arguments, or ``restore``) on ``store`` in a process of its own, measured."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CKPTSTORE_CPU_THREADS": "2"}
     env["MASTER_PORT"] = str(free_port())  # this process's engine holds the inherited one
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(store), *command],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return readers.apply_async(bomb_probe.read, (str(store), list(command), env)).get(timeout=300)
 
 
 @functools.cache
@@ -244,12 +220,12 @@ def command_line(command: str, tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize(("bomb", "command"), CASES, ids=[f"{b}-{c}" for b, c in CASES])
 def test_a_bomb_is_refused_as_corrupt_without_allocating_what_it_declares(
-    clean_store, tmp_path, bomb, command
+    clean_store, readers, tmp_path, bomb, command
 ):
     root = tmp_path / "store"
     shutil.copytree(clean_store, root)
     BOMBS[bomb][0](root)
-    result = probe(root, *command_line(command, tmp_path))
+    result = probe(readers, root, *command_line(command, tmp_path))
     assert result["grown_kb"] < MAX_GROWTH_KB, result
     assert "Traceback" not in result["out"], result
     if command in REPORTING:
@@ -260,17 +236,17 @@ def test_a_bomb_is_refused_as_corrupt_without_allocating_what_it_declares(
     assert not (tmp_path / "out").exists() or command not in ("materialize", "export")
 
 
-def test_the_clean_store_reads_within_the_same_bound(clean_store, tmp_path):
+def test_the_clean_store_reads_within_the_same_bound(clean_store, readers, tmp_path):
     """The measurement itself: every command on the unbombed store exits 0 within the bound."""
     for command in ("materialize", "export", "verify", "restore", "log", "catalog rebuild"):
         root = tmp_path / command.replace(" ", "-") / "store"
         shutil.copytree(clean_store, root)
-        result = probe(root, *command_line(command, root.parent))
+        result = probe(readers, root, *command_line(command, root.parent))
         assert result["rc"] == 0 and result["grown_kb"] < MAX_GROWTH_KB, (command, result)
 
 
 @pytest.mark.parametrize("bomb", ["manifest", "layer index"])
-def test_on_s3_a_bombed_manifest_stops_log_without_allocating(clean_store, tmp_path, s3, bomb):
+def test_on_s3_a_bombed_manifest_stops_log_without_allocating(clean_store, readers, tmp_path, s3, bomb):
     """On S3 every reader imports manifests into its cache: ``log`` of a fresh cache reads them."""
     root = tmp_path / "store"
     shutil.copytree(clean_store, root)
@@ -278,7 +254,7 @@ def test_on_s3_a_bombed_manifest_stops_log_without_allocating(clean_store, tmp_p
     for path in root.rglob("*"):
         if path.is_file() and not path.name.startswith("catalog.db"):
             s3.client.upload_file(str(path), s3.bucket, f"run/{path.relative_to(root).as_posix()}")
-    result = probe(s3.uri(), "log")
+    result = probe(readers, s3.uri(), "log")
     assert result["grown_kb"] < MAX_GROWTH_KB, result
     assert (
         result["rc"] == CorruptError.exit_code and "step 2 is committed but cannot be read" in result["out"]
