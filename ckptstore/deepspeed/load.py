@@ -24,7 +24,8 @@ from ..errors import CorruptError
 from ..model import FP32, WEIGHT
 from .fill import MODULE, Filler, TensorSource
 from .layout import BF16_OPTIMIZER, ZERO3, ZERO12
-from .write import StepWriter, model_states_name
+from .stepfiles import StepWriter
+from .write import model_states_name
 
 
 @functools.cache

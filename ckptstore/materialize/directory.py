@@ -43,7 +43,7 @@ def materialize(
     unless every check passes (``outputs.check_out``: ``force`` replaces only a folder
     materialize or export wrote), and ``out`` never holds a partial checkpoint.
     """
-    from ..deepspeed.write import write_checkpoint
+    from ..deepspeed.stepfiles import write_checkpoint
 
     step, sources = compose.step_or_spec(step, spec, catalog, "materialize")
     if world_size is not None:
