@@ -146,7 +146,9 @@ def _plan(
         )
     reader = step_reader(objects, catalog, state, description, sources)
     if not parallel.same_split(description, engine, f"step {state}"):
-        description = reshard.recut(description, extract(engine).description, f"step {state}")
+        stored = description
+        description = reshard.recut(stored, extract(engine).description, f"step {state}")
+        reader = reshard.Relayout(reader, stored["params"], description["params"])
     # Where the load copies the fp32 masters and optimizer state into the engine's own buffers,
     # they are decoded straight into those buffers instead: no second copy in memory, and the
     # module weights the load then derives are handed over as the engine's own, never copied.

@@ -16,7 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tools.engines import batches, build_pipeline_engine, destroy_engine, train_pipeline  # noqa: E402
+from tools.engines import (  # noqa: E402
+    batches,
+    build_autotp_engine,
+    build_pipeline_engine,
+    destroy_engine,
+    train,
+    train_pipeline,
+)
 
 DATA = batches(10)
 TAG = "global_step{}"
@@ -72,20 +79,28 @@ def differences(ours: Path, theirs: Path) -> list[str]:
     return wrong
 
 
-def pipeline(root: Path, configs=((1, "fp32"), (1, "bf16"), (0, "fp32"))) -> dict:
-    """A 2-stage pipeline (data parallel over the other ranks), ZeRO 0 and 1, fp32 and bf16:
-    commit step 2 (and DeepSpeed's own save of it), then resume from DeepSpeed's save, from a
-    materialized directory and by restore; each resume saved again is compared with
-    DeepSpeed's, file by file, then trained on."""
+# How each kind of model-parallel engine is built and trained, and its layer a composite saves.
+ENGINES = {
+    "pipeline": (build_pipeline_engine, train_pipeline, "1"),
+    "autotp": (build_autotp_engine, train, "model.layers.1"),
+}
+
+
+def pipeline(root: Path, configs=((1, "fp32"), (1, "bf16"), (0, "fp32")), kind: str = "pipeline") -> dict:
+    """A 2-stage pipeline (data parallel over the other ranks), or with ``kind`` "autotp" a
+    tensor-parallel engine of 2 slices, at ZeRO ``configs``: commit step 2 (and DeepSpeed's own
+    save of it), then resume from DeepSpeed's save, from a materialized directory and by
+    restore; each resume saved again is compared with DeepSpeed's, file by file, then trained on."""
     import ckptstore
 
+    build, train_some, _ = ENGINES[kind]
     results = {}
     for zero_stage, dtype in configs:
         name = f"zero{zero_stage}-{dtype}"
         here = root / name
         store = ckptstore.open(here / "store", create=True)
-        engine = build_pipeline_engine(zero_stage=zero_stage, dtype=dtype)
-        train_pipeline(engine, DATA[:4])
+        engine = build(zero_stage=zero_stage, dtype=dtype)
+        train_some(engine, DATA[:4])
         store.commit(engine, step=2)
         engine.save_checkpoint(str(here / "deepspeed"), tag=TAG.format(2))
         if rank() == 0:
@@ -93,7 +108,7 @@ def pipeline(root: Path, configs=((1, "fp32"), (1, "bf16"), (0, "fp32"))) -> dic
         barrier()
         run = {"materialized_files": [], "differences": {}, "losses": {}}
         if zero_stage == 1 and dtype == "fp32":
-            run["composite"] = composite(store, engine)
+            run["composite"] = composite(store, engine, kind)
         destroy_engine(engine)
 
         if rank() == 0:
@@ -107,10 +122,11 @@ def pipeline(root: Path, configs=((1, "fp32"), (1, "bf16"), (0, "fp32"))) -> dic
         # The first engine trained after the committing one, at ZeRO 0, ends its second step a
         # few ulps away from every later one whatever it loaded (measured: 25.161674 against
         # 25.161671, with every tensor it saves equal): a resume from DeepSpeed's save goes first.
-        resume(store, here, "deepspeed", zero_stage=zero_stage, dtype=dtype)
+        options = {"zero_stage": zero_stage, "dtype": dtype}
+        resume(store, here, "deepspeed", kind, **options)
         saved = {}
         for how in ("materialized", "restore", "deepspeed"):
-            run["losses"][how], saved[how] = resume(store, here, how, zero_stage=zero_stage, dtype=dtype)
+            run["losses"][how], saved[how] = resume(store, here, how, kind, **options)
         barrier()
         if rank() == 0:
             for how in ("materialized", "restore"):
@@ -122,35 +138,38 @@ def pipeline(root: Path, configs=((1, "fp32"), (1, "bf16"), (0, "fp32"))) -> dic
     return results
 
 
-def resume(store, here: Path, how: str, **engine_options) -> tuple[list[float], Path]:
-    """A new pipeline engine resumed from step 2 (by ``restore``, or ``load_checkpoint`` of the
-    directory ``here / how``), saved again, then trained on: its losses and the saved folder."""
-    engine = build_pipeline_engine(seed=1, **engine_options)
+def resume(store, here: Path, how: str, kind: str, **engine_options) -> tuple[list[float], Path]:
+    """A new engine of ``kind`` resumed from step 2 (by ``restore``, or ``load_checkpoint`` of
+    the directory ``here / how``), saved again, then trained on: its losses and the saved folder."""
+    build, train_some, _ = ENGINES[kind]
+    engine = build(seed=1, **engine_options)
     if how == "restore":
         store.restore(engine, step=2)
     else:
         engine.load_checkpoint(str(here / how), tag=TAG.format(2))
     saved = here / f"resaved-{how}"
     engine.save_checkpoint(str(saved), tag="resumed")
-    losses = train_pipeline(engine, DATA[4:8])
+    losses = train_some(engine, DATA[4:8])
     destroy_engine(engine)
     return losses, saved / "resumed"
 
 
-def composite(store, engine) -> dict:
-    """Step 4 saves only layer 1 (a block of stage 0), in the background: a restore of it has
-    layer 1 as at step 4 and every other layer as at step 2 (stage 1 and the tied embedding)."""
+def composite(store, engine, kind: str) -> dict:
+    """Step 4 saves only one block (layer 1 of a pipeline's stage 0, a tensor-parallel Llama's
+    ``model.layers.1``), in the background: a restore of it has that block as at step 4 and
+    every other layer as at step 2."""
     from tests.dist_worker import matches_store
 
+    _, train_some, layer = ENGINES[kind]
     at_step_2 = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
-    train_pipeline(engine, DATA[4:8])
-    store.commit(engine, step=4, layers=["1"], blocking=False)
+    train_some(engine, DATA[4:8])
+    store.commit(engine, step=4, layers=[layer], blocking=False)
     store.wait()
     at_step_4 = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
-    train_pipeline(engine, DATA[8:10])
+    train_some(engine, DATA[8:10])
     store.restore(engine, step=4)
     now = engine.module.state_dict()
-    expected = {name: (at_step_4 if name.startswith("1.") else at_step_2)[name] for name in now}
+    expected = {name: (at_step_4 if name.startswith(f"{layer}.") else at_step_2)[name] for name in now}
     return {
         "sources": store.sources(4),
         "wrong": [name for name, tensor in now.items() if not torch.equal(tensor, expected[name])],
@@ -192,47 +211,90 @@ def weights_unlike_universal(store, universal: Path) -> list[str]:
     return wrong
 
 
-def reshard(root: Path) -> dict:
-    """A step of 2 stages restored into 1 stage (bf16), and one of 1 stage into 2 (fp32), each
-    compared with DeepSpeed's universal checkpoint of the same state loaded into the same
-    engine (``ds_to_universal``, then ``load_universal``): saved again file by file, trained on."""
+def reshard(root: Path, kind: str = "pipeline") -> dict:
+    """A step of 2 stages (or tensor-parallel slices, ``kind`` "autotp") restored into 1 (bf16),
+    and one of 1 into 2 (fp32), each compared with DeepSpeed's universal checkpoint of the same
+    state loaded into the same engine (``ds_to_universal``, then ``load_universal``): saved
+    again file by file, trained on. For AutoTP, ``ds_to_universal`` of the materialized step
+    gives DeepSpeed's universal checkpoint too."""
     import ckptstore
 
+    split = {"pipeline": "stages", "autotp": "tp"}[kind]
+    build, train_some, _ = ENGINES[kind]
     results = {}
     for committed, restored, dtype in ((2, 1, "bf16"), (1, 2, "fp32")):
+        # ds_to_universal needs universal_checkpoint_info: a pipeline's client says which weight
+        # every stage keeps a copy of; AutoTP writes its own, an engine without it none.
+        client_state = UNIVERSAL_INFO if kind == "pipeline" else {}
+        if kind == "autotp" and committed == 1:
+            client_state = {"universal_checkpoint_info": {}}
         here = root / f"{committed}to{restored}-{dtype}"
         store = ckptstore.open(here / "store", create=True)
-        engine = build_pipeline_engine(stages=committed, dtype=dtype)
-        train_pipeline(engine, DATA[:4])
-        store.commit(engine, step=2, client_state=UNIVERSAL_INFO)
-        engine.save_checkpoint(str(here / "deepspeed"), tag=TAG.format(2), client_state=UNIVERSAL_INFO)
+        engine = build(**{split: committed}, dtype=dtype)
+        train_some(engine, DATA[:4])
+        store.commit(engine, step=2, client_state=client_state)
+        engine.save_checkpoint(str(here / "deepspeed"), tag=TAG.format(2), client_state=client_state)
+        if kind == "autotp" and rank() == 0:
+            store.materialize(2, here / "materialized")
         barrier()
         if rank() == 0:
             to_universal(here / "deepspeed" / TAG.format(2), here / "universal")
+            if kind == "autotp":
+                to_universal(here / "materialized" / TAG.format(2), here / "universal-of-materialized")
         barrier()
         destroy_engine(engine)
         universal = {"checkpoint": {"load_universal": True}}
-        resume(
-            store, here, "universal", stages=restored, dtype=dtype, **universal
-        )  # the first resume: see pipeline()
+        options = {split: restored, "dtype": dtype}
+        resume(store, here, "universal", kind, **options, **universal)  # the first resume: see pipeline()
         run = {"losses": {}}
         saved = {}
-        for how, options in (("restore", {}), ("universal", universal)):
-            run["losses"][how], saved[how] = resume(store, here, how, stages=restored, dtype=dtype, **options)
+        for how, extra in (("restore", {}), ("universal", universal)):
+            run["losses"][how], saved[how] = resume(store, here, how, kind, **options, **extra)
         barrier()
         if rank() == 0:
             run["differences"] = differences(saved["restore"], saved["universal"])
             run["weights_unlike_universal"] = weights_unlike_universal(
                 store, here / "universal" / TAG.format(2)
             )
+            if kind == "autotp":
+                run["universal_of_materialized"] = universal_differences(
+                    here / "universal-of-materialized" / TAG.format(2), here / "universal" / TAG.format(2)
+                )
         results[f"{committed}to{restored}-{dtype}"] = run
     return results
+
+
+def same(one, other) -> bool:
+    """Whether two loaded objects are equal, tensors bit for bit."""
+    if isinstance(one, torch.Tensor) or isinstance(other, torch.Tensor):
+        return isinstance(one, torch.Tensor) and isinstance(other, torch.Tensor) and torch.equal(one, other)
+    if isinstance(one, dict) and isinstance(other, dict):
+        return set(one) == set(other) and all(same(value, other[key]) for key, value in one.items())
+    if type(one) is type(other) and hasattr(one, "__dict__"):  # a loss scaler: equal attributes
+        return same(vars(one), vars(other))
+    return one == other
+
+
+def universal_differences(ours: Path, theirs: Path) -> list[str]:
+    """The files of two universal checkpoint directories (``zero/<name>/<kind>.pt``) that
+    differ, or that only one of them has."""
+    mine = {path.relative_to(ours) for path in (ours / "zero").rglob("*.pt")}
+    wanted = {path.relative_to(theirs) for path in (theirs / "zero").rglob("*.pt")}
+    wrong = sorted(str(path) for path in mine ^ wanted)
+    for path in sorted(mine & wanted):
+        if not same(*(torch.load(root / path, weights_only=False) for root in (ours, theirs))):
+            wrong.append(str(path))
+    return wrong if mine else ["no zero/ folder"]
 
 
 MODES = {
     "pipeline": pipeline,
     "reshard": reshard,
     "pipeline_bf16": lambda root: pipeline(root, configs=((1, "bf16"),)),
+    "autotp": lambda root: {
+        "resume": pipeline(root / "resume", configs=((1, "fp32"), (2, "bf16")), kind="autotp"),
+        "reshard": reshard(root / "reshard", kind="autotp"),
+    },
 }
 
 

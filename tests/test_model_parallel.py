@@ -1,4 +1,4 @@
-"""Model-parallel DeepSpeed engines: a pipeline's steps are DeepSpeed's own checkpoints.
+"""Model-parallel DeepSpeed engines: pipeline and tensor-parallel steps are DeepSpeed's own checkpoints.
 
 The jobs run under ``torch.distributed.run`` (gloo on CPU) in tests/model_parallel_worker.py;
 one job runs every configuration, since each start costs a fresh interpreter per rank.
@@ -112,11 +112,72 @@ def test_a_pipeline_step_restores_only_into_a_pipeline(two_stage_pipeline):
         store.restore(engine, step=2)
 
 
-def test_tensor_parallel_engines_are_refused_naming_what_is_missing(tmp_path):
+def test_a_tensor_parallel_engine_without_autotp_or_universal_info_is_refused_naming_what_is_missing(
+    tmp_path,
+):
     engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
-    engine.mp_world_size = 2  # what a tensor-parallel job reports
-    with pytest.raises(UnsupportedError, match="tensor parallelism"):
-        ckptstore.open(tmp_path / "store").commit(engine, step=1)
+    engine.mp_world_size = 2  # what a job with a Megatron-style mpu reports
+    try:
+        with pytest.raises(UnsupportedError, match="universal_checkpoint_info"):
+            ckptstore.open(tmp_path / "store", create=True).commit(engine, step=1)
+    finally:
+        destroy_engine(engine)
+
+
+@pytest.fixture(scope="module")
+def autotp(tmp_path_factory) -> tuple[Path, dict]:
+    """One job of 2 ranks: AutoTP-2 steps resumed (ZeRO 1 fp32, ZeRO 2 bf16), then resharded."""
+    root = tmp_path_factory.mktemp("autotp")
+    return root, torchrun("autotp", root)
+
+
+@pytest.mark.parametrize("config", ["zero1-fp32", "zero2-bf16"])
+def test_an_autotp_step_materializes_as_deepspeeds_own_and_resumes_bit_exactly(autotp, config):
+    _, observed = autotp
+    run = observed[0]["resume"][config]
+    assert run["materialized_files"] == run["deepspeed_files"]
+    assert "mp_rank_01_model_states.pt" in run["materialized_files"]
+    assert run["as_written"] == []
+    assert run["differences"] == {"materialized": [], "restore": []}
+    for rank in observed:
+        losses = rank["resume"][config]["losses"]
+        assert losses["materialized"] == losses["restore"] == losses["deepspeed"], config
+
+
+def test_an_autotp_layer_is_one_layer_whatever_the_slices_and_a_composite_takes_it_from_its_step(autotp):
+    root, observed = autotp
+    for rank in observed:
+        run = rank["resume"]["zero1-fp32"]["composite"]
+        assert run["wrong"] == [] and run["wrong_in_store"] == []
+        assert run["sources"] == {
+            "model.embed_tokens": 2, "model.layers.0": 2, "model.layers.1": 4, "model.norm": 2, "lm_head": 2,
+        }  # fmt: skip
+    store = ckptstore.open(root / "resume" / "zero1-fp32" / "store")
+    assert store.verify().ok
+    description = json.loads(store.catalog.description(2))
+    # each parameter once, at its logical shape; a row-parallel one says how it is split
+    assert description["params"]["model.layers.0.self_attn.o_proj.weight"]["shape"] == [32, 32]
+    assert description["params"]["model.layers.0.self_attn.o_proj.weight"]["split"] == {
+        "dim": 1,
+        "sizes": [16, 16],
+    }
+    assert "split" not in description["params"]["model.norm.weight"]
+    weights = store.state_dict(2)
+    assert weights["model.layers.0.mlp.down_proj.weight"].shape == (32, 88)
+
+
+def test_an_autotp_step_restored_into_another_number_of_slices_equals_deepspeeds_universal_checkpoint(autotp):
+    _, observed = autotp
+    for config in ("2to1-bf16", "1to2-fp32"):
+        run = observed[0]["reshard"][config]
+        assert run["differences"] == [], config
+        # state_dict gives the universal checkpoint's full tensors, a row-parallel one included
+        assert run["weights_unlike_universal"] == [], config
+        # ds_to_universal reads a materialized step as DeepSpeed's own
+        assert run["universal_of_materialized"] == [], config
+    for rank in observed:
+        for config, run in rank["reshard"].items():
+            assert run["losses"]["restore"] == run["losses"]["universal"], config
 
 
 def test_an_attached_pipeline_keeps_the_client_state_not_a_layer_file_for_it(tmp_path):

@@ -312,6 +312,23 @@ def build_pipeline_engine(
     return engine
 
 
+def build_autotp_engine(
+    tp: int = 2,
+    zero_stage: int = 1,
+    dtype: str = "fp32",
+    seed: int = 0,
+    num_layers: int = 2,
+    **overrides: Any,
+):
+    """A tiny Llama split over ``tp`` tensor-parallel ranks by DeepSpeed's AutoTP (the data
+    parallel over the rest); every rank of a slice group must train on the same batches."""
+    if tp > 1:
+        overrides.setdefault("tensor_parallel", {"autotp_size": tp})
+    return build_engine(
+        "llama", zero_stage=zero_stage, dtype=dtype, seed=seed, num_layers=num_layers, **overrides
+    )
+
+
 def train_pipeline(engine, batch_list) -> list[float]:
     """One ``train_batch`` per two batches (the engine's two micro-batches), each batch's
     labels its inputs shifted by one; returns the losses (every stage gets the last one's)."""
@@ -388,9 +405,14 @@ def destroy_engine(engine, collect: bool = True) -> None:
     live engines: it is only recomputed).
     """
     module = getattr(engine, "module", None)
+    autotp = engine.autotp_size() > 1 if hasattr(engine, "autotp_size") else False
     try:
         engine.destroy()
     finally:
+        if autotp:  # AutoTP leaves its groups as DeepSpeed's for every later engine of the process
+            from deepspeed.utils import groups
+
+            groups._release_process_group_references()
         if module is not None:
             try:
                 from deepspeed.runtime.zero import parameter_offload as _po

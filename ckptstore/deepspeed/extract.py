@@ -236,6 +236,9 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     # save_checkpoint calls it for that); the module's state is the base engine's answer.
     module = _base_engine_class().module_state_dict(engine) if pipeline else engine.module_state_dict()
     model_state = engine._common_checkpoint_state(module, zero, save_frozen)
+    autotp_info = getattr(engine.module, parallel.UNIVERSAL_INFO, None)
+    if autotp_info is not None:  # what AutoTP's save writes for ds_to_universal
+        model_state[parallel.UNIVERSAL_INFO] = autotp_info
     model_state.update(client_state or {})
     osd = engine.optimizer.state_dict() if zero else model_state["optimizer"]
     rank = dp_rank(engine)
@@ -315,6 +318,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         "model_state": extra_model,
         "optimizer_state": extra_optim,
     }
+    if parallel.is_tensor_parallel(engine):
+        part, pieces = parallel.tensor_part(
+            engine, description, pieces, model_state.get(parallel.UNIVERSAL_INFO)
+        )
     if part is None:
         return Snapshot(plainstate.to_plain(description), pieces, rank, world_size)
     description["model_parallel"] = part

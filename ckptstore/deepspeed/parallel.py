@@ -1,4 +1,5 @@
-"""Model parallelism: a step of an engine whose model is split across ranks (pipeline stages).
+"""Model parallelism: a step of an engine whose model is split across ranks (pipeline stages,
+tensor-parallel slices).
 
 DeepSpeed numbers the model-parallel ranks pipeline-major (``mp_rank``) and writes one set of
 files per model-parallel rank: ``mp_rank_XX_model_states.pt``, its optimizer partitions
@@ -10,13 +11,24 @@ description (``combine``), whose parameters are those of the whole model under t
 model gives them, so layers, dedup, composites and exports see one model however it was split.
 A tied weight (``TiedLayerSpec``) lives on several stages, each with its own copy of the same
 values; the first stage stores it and every stage's files are written from that one copy.
+
+A tensor-parallel rank (AutoTP, a Megatron-style ``mpu``) holds a slice of some parameters and
+all of the others. Its pieces are pieces of the logical parameters (``tensorsplit``: each
+slice is a range of the parameter's flat stored order), so the step describes the model once
+at its logical shapes whatever the degree; a replicated parameter is stored by the first
+slice alone. How each parameter is split comes from what DeepSpeed and the client provide for
+DeepSpeed's own universal checkpoint: AutoTP's per-parameter metadata, else the
+``universal_checkpoint_info`` patterns a Megatron client passes in its client state.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from .. import tensorsplit
 from ..errors import BadInputError, CorruptError, UnsupportedError
+from ..model import Piece
 
 # What a part describes of its model-parallel rank alone; the rest is the same on every rank.
 _OWN_KEYS = ("module_keys", "aliases", "groups", "model_state", "optimizer_state", "model_parallel")
@@ -30,17 +42,18 @@ def is_pipeline(engine: Any) -> bool:
     )
 
 
+def is_tensor_parallel(engine: Any) -> bool:
+    """Whether ``engine`` holds tensor-parallel slices (model parallel without a pipeline)."""
+    return not is_pipeline(engine) and int(getattr(engine, "mp_world_size", 1)) > 1
+
+
 def check_supported(engine: Any) -> None:
-    """UnsupportedError for model parallelism a step cannot yet describe: tensor-parallel
-    slices (AutoTP, a Megatron ``mpu``), and a pipeline that is tensor parallel too."""
-    mp_world_size = getattr(engine, "mp_world_size", 1)
-    if not is_pipeline(engine) and mp_world_size != 1:
-        raise UnsupportedError(
-            f"tensor parallelism (mp_world_size={mp_world_size}) is not supported yet; "
-            "ckptstore handles data-parallel ZeRO jobs and DeepSpeed pipelines"
-        )
+    """UnsupportedError for model parallelism a step cannot yet describe: a pipeline that is
+    tensor parallel too, and tensor parallelism with ZeRO 3."""
     if is_pipeline(engine) and engine.grid.get_slice_parallel_world_size() != 1:
         raise UnsupportedError("a pipeline that is also tensor parallel is not supported yet")
+    if is_tensor_parallel(engine) and engine.zero_optimization_stage() == 3:
+        raise UnsupportedError("tensor parallelism with ZeRO stage 3 is not supported; ZeRO 0, 1 and 2 are")
 
 
 def pipeline_part(engine: Any, module_keys: list[str]) -> tuple[dict, set[str]]:
@@ -69,6 +82,108 @@ def pipeline_part(engine: Any, module_keys: list[str]) -> tuple[dict, set[str]]:
     return part, others
 
 
+# DeepSpeed's universal-checkpoint vocabulary (deepspeed.checkpoint.constants).
+UNIVERSAL_INFO = "universal_checkpoint_info"
+_AUTOTP_META = "ds_autotp_universal_checkpoint_meta"
+_REPLICATED = "tp_replicated_parameter_patterns"
+_ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
+_SUB_PARAMS = ("parameter_with_sub_params", "parameter_with_2_sub_params_cat_dim_0")
+_UNSUPPORTED = "autotp_unsupported_parameter_patterns"
+
+
+def _matches(patterns, name: str) -> bool:
+    return any(re.match(pattern, name) for pattern in patterns or ())
+
+
+def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> dict[str, dict | None]:
+    """How each of ``params`` (name -> this rank's description entry, its slice's shape) is
+    split over the engine's tensor-parallel ranks: ``{"dim", "sizes"}``, or None where every
+    rank holds all of it. UnsupportedError for a parameter whose split cannot be known."""
+    named = dict(engine.module.named_parameters())
+    if any(getattr(param, _AUTOTP_META, None) for param in named.values()):
+        return {name: _autotp_split(name, getattr(named.get(name), _AUTOTP_META, None)) for name in params}
+    if info is None:
+        raise UnsupportedError(
+            f"tensor parallelism (mp_world_size={engine.mp_world_size}) without AutoTP: pass how each "
+            "parameter is split as DeepSpeed's universal checkpoint needs it, client_state="
+            '{"universal_checkpoint_info": {...}} (Megatron-DeepSpeed does)'
+        )
+    fused = [
+        pattern for key in _SUB_PARAMS for entry in info.get(key, ()) for pattern in _sub_patterns(entry)
+    ]
+    splits: dict[str, dict | None] = {}
+    for name, entry in params.items():
+        if _matches(fused, name) or _matches(info.get(_UNSUPPORTED), name):
+            raise UnsupportedError(
+                f"tensor-parallel parameter {name} has fused sub-parameters, not supported yet"
+            )
+        if _matches(info.get(_REPLICATED), name):
+            splits[name] = None
+            continue
+        dim = 1 if _matches(info.get(_ROW_PARALLEL), name) else 0  # as ds_to_universal reads them
+        if dim >= len(entry["shape"]):
+            raise UnsupportedError(
+                f"tensor-parallel parameter {name} of shape {entry['shape']} has no dimension {dim}"
+            )
+        splits[name] = {"dim": dim, "sizes": [int(entry["shape"][dim])] * int(engine.mp_world_size)}
+    return splits
+
+
+def _autotp_split(name: str, meta: dict | None) -> dict | None:
+    """The split AutoTP recorded for a parameter; None for one it left whole (the same on every
+    rank, as DeepSpeed's universal checkpoint takes it)."""
+    if not meta or meta.get("replicated"):
+        return None
+    conversion = meta.get("conversion") or {}
+    reason = conversion.get("unsupported_reason")
+    if reason or meta.get("sub_param_sizes") or meta.get("sub_param_shape"):
+        raise UnsupportedError(
+            f"tensor-parallel parameter {name} cannot be stored yet: {reason or 'fused sub-parameters'}"
+        )
+    if meta.get("is_bias") and meta.get("partition_type") == "row":
+        raise UnsupportedError(
+            f"{name} is a row-parallel bias, which AutoTP divides across ranks: not supported yet"
+        )
+    return {"dim": int(meta["partition_dim"]), "sizes": [int(size) for size in meta["partition_sizes"]]}
+
+
+def _sub_patterns(entry) -> list[str]:
+    return entry.get("patterns", []) if isinstance(entry, dict) else [entry]
+
+
+def tensor_part(
+    engine: Any, description: dict, pieces: list[Piece], info: dict | None
+) -> tuple[dict, list[Piece]]:
+    """This tensor-parallel rank's part of the description, its parameters at their logical
+    shapes with their ``split``, and its pieces placed in their parameters' flat stored order
+    (``tensorsplit``); a parameter or buffer every rank holds whole is kept by slice 0 alone."""
+    index = int(engine.checkpoint_mp_rank)
+    splits = tensor_splits(engine, description["params"], info)
+    for name, split in splits.items():
+        entry = description["params"][name]
+        if split is None:
+            continue
+        if split["sizes"][index] != entry["shape"][split["dim"]]:
+            raise CorruptError(f"{name}: this rank holds {entry['shape']}, its split says {split}")
+        entry["shape"][split["dim"]] = sum(split["sizes"])
+        entry["split"] = split
+    placed = []
+    for piece in pieces:
+        entry = description["params"].get(piece.name)
+        if entry is None or "split" not in entry:
+            if index == 0:
+                placed.append(piece)
+            continue
+        offset = tensorsplit.slice_offset(entry, index)
+        equal_to = piece.unless_equal_to
+        placed.append(Piece(
+            piece.name, piece.kind, offset + piece.start, piece.tensor.reshape(-1),
+            unless_equal_to=None if equal_to is None else equal_to.reshape(-1),
+        ))  # fmt: skip
+    part = {"rank": index, "size": int(engine.mp_world_size), "pipeline": False, "slice": index}
+    return part, placed
+
+
 def combine(parts: list[dict]) -> dict:
     """The step's description from the parts of every model-parallel rank (one each, any order).
 
@@ -88,7 +203,11 @@ def combine(parts: list[dict]) -> dict:
     aliases: dict[str, str] = {}
     for part in parts:
         for name, info in part["params"].items():
-            params.setdefault(name, info)
+            if params.setdefault(name, info) != info:
+                raise UnsupportedError(
+                    f"model-parallel ranks describe {name} differently ({params[name]} and {info}): "
+                    "an uneven tensor-parallel split this ckptstore cannot tell"
+                )
         for key, role in part["module_keys"]:
             module_keys.setdefault(key, [key, role])
         aliases.update(part["aliases"])

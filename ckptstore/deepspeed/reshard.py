@@ -7,12 +7,24 @@ files, its model-parallel rank) with the step's tensors, counters, hyperparamete
 non-tensor state: ``recut`` makes that description from the step's and the engine's own
 (``extract``). It is what DeepSpeed's universal checkpoint (``ds_to_universal``, then
 ``load_universal``) gives, without the offline second copy.
+
+A tensor-parallel parameter split along another dimension than its first is stored in an
+order that depends on its split (``tensorsplit``); where the engine splits it otherwise,
+``Relayout`` serves the step's tensors in the engine's order.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
+from .. import tensorsplit
 from ..errors import BadInputError
+from ..format.codec import DTYPES
+from ..model import FP32, WEIGHT
 from . import parallel
+from .fill import TensorSource
 
 # Model-state keys that say how the engine reading the files is split: the reader's own.
 _SPLIT_KEYS = ("mp_world_size", "checkpoint_parallel_dimensions")
@@ -61,3 +73,65 @@ def _group(group: dict, stored_groups: dict[str, dict]) -> dict:
             if name in stored_groups[name]["param_state"]
         }
     return recut
+
+
+class Relayout:
+    """The step's tensors (``source``, in the flat order of the step's split, ``stored``'s
+    parameters) in the order of another split (``target``'s parameters): a ``TensorSource``
+    that reads each parameter it reorders whole, and passes every other one through."""
+
+    def __init__(self, source: TensorSource, stored: dict[str, dict], target: dict[str, dict]) -> None:
+        self._source = source
+        self._stored, self._target = stored, target
+        self.reordered = {
+            name for name, info in target.items()
+            if name in stored and not tensorsplit.same_order(stored[name], info)
+        }  # fmt: skip
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._source, attribute)  # read_into, pieces, ...: for the others
+
+    def _whole(self, name: str, kind: str) -> torch.Tensor | None:
+        stored = self._source(name, kind)
+        if stored is None:
+            return None
+        logical = tensorsplit.to_logical(stored, self._stored[name])
+        return tensorsplit.from_logical(logical, self._target[name])
+
+    def __call__(self, name: str, kind: str) -> torch.Tensor | None:
+        if name not in self.reordered:
+            return self._source(name, kind)
+        whole = self._whole(name, kind)
+        return None if whole is None else whole.view(self._target[name]["shape"])
+
+    def span(self, name: str, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        if name not in self.reordered:
+            return self._source.span(name, kind, lo, hi)
+        whole = self._whole(name, kind)
+        return None if whole is None else whole[lo:hi]
+
+    def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
+        if name not in self.reordered:
+            return self._source.fragments(name, kind)
+        if not self._source.fragments(name, kind):
+            return []
+        if kind != WEIGHT:
+            return [(0, self._whole(name, kind))]
+        # Module weights are stored only where they are not the fp32 master cast down: the
+        # whole weight is that cast, overlaid with them, before it is reordered.
+        weight = self._source(name, FP32).reshape(-1).to(DTYPES[self._stored[name]["dtype"]])
+        for start, fragment in self._source.fragments(name, kind):
+            weight[start : start + fragment.numel()] = fragment.reshape(-1)
+        logical = tensorsplit.to_logical(weight, self._stored[name])
+        return [(0, tensorsplit.from_logical(logical, self._target[name]))]
+
+    def read_into(self, name: str, kind: str, start: int, out: torch.Tensor) -> bool:
+        if name in self.reordered:
+            return False
+        read_into = getattr(self._source, "read_into", None)
+        return read_into is not None and read_into(name, kind, start, out)
+
+    def plan(self, spans: list[tuple[str, str, int, int]]) -> None:
+        plan = getattr(self._source, "plan", None)
+        if plan is not None:
+            plan([span for span in spans if span[0] not in self.reordered])

@@ -18,6 +18,7 @@ from collections import OrderedDict
 
 import torch
 
+from .. import tensorsplit
 from ..errors import CorruptError
 from ..format import plainstate
 from ..format.codec import DTYPES
@@ -65,6 +66,8 @@ class Writer:
         self.d = plainstate.from_plain(description)
         self.model_parallel = self.d.get("model_parallel")
         self.mp_rank = self.model_parallel["rank"] if self.model_parallel else 0
+        # Which tensor-parallel slice of a split parameter this rank's files hold.
+        self.slice = self.model_parallel.get("slice", 0) if self.model_parallel else 0
         self._tensors = tensors
         self.flavour = self.d["flavour"]
         if self.flavour not in (ZERO12, BF16_OPTIMIZER, ZERO3, FP16_OPTIMIZER, FP16_UNFUSED, BASIC):
@@ -116,11 +119,20 @@ class Writer:
         """A placeholder for the whole ``kind`` of ``name`` in its own shape."""
         shape = self.shape(name)
         placeholder = self.holes.new(shape.numel(), dtype or self.dtype(name, kind))
-        self.holes.place(placeholder, Segment(name, kind, 0, shape.numel(), 0))
+        self.place(placeholder, name, kind, 0, shape.numel(), 0)
         return placeholder.view(shape)
 
     def shape(self, name: str) -> torch.Size:
-        return torch.Size(self.params[name]["shape"])
+        """The shape of ``name`` in this rank's files: its slice of a tensor-parallel parameter."""
+        return torch.Size(tensorsplit.slice_shape(self.params[name], self.slice))
+
+    def place(
+        self, placeholder: torch.Tensor, name: str, kind: str, start: int, length: int, at: int
+    ) -> None:
+        """Elements ``[start, start + length)`` of this rank's slice of ``kind`` of ``name`` fill
+        ``placeholder`` from element ``at``."""
+        start += tensorsplit.slice_offset(self.params[name], self.slice)
+        self.holes.place(placeholder, Segment(name, kind, start, length, at))
 
     # -- module and model-states files -------------------------------------------------------
 
@@ -181,7 +193,7 @@ class Writer:
             return self.stored(name, WEIGHT)
         numel = self.shape(name).numel()
         fragment = self.holes.new(zero3_slice(numel, self.world_size), self.dtype(name, WEIGHT))
-        self.holes.place(fragment, Segment(name, WEIGHT, *zero3_bounds(numel, self.world_size, rank), 0))
+        self.place(fragment, name, WEIGHT, *zero3_bounds(numel, self.world_size, rank), 0)
         return fragment
 
     def param_shapes(self) -> list[OrderedDict]:
@@ -202,7 +214,7 @@ class Writer:
         flat = self.holes.new(sum(sizes), self.group_dtype(names, kind))
         offset = 0
         for name, numel in zip(names, sizes, strict=True):
-            self.holes.place(flat, Segment(name, kind, 0, numel, offset))
+            self.place(flat, name, kind, 0, numel, offset)
             offset += numel
         return flat
 
@@ -220,7 +232,7 @@ class Writer:
             end = offset + self.shape(name).numel()
             for r in range(offset // size, min(self.world_size, -(-end // size))):
                 lo, hi = max(offset, r * size), min(end, (r + 1) * size)
-                self.holes.place(buffers[r], Segment(name, kind, lo - offset, hi - lo, lo - r * size))
+                self.place(buffers[r], name, kind, lo - offset, hi - lo, lo - r * size)
             offset = end
         return buffers
 
@@ -291,9 +303,7 @@ class Writer:
                         )
                         offset = 0
                         for name, numel, part in zip(names, numels, parts, strict=True):
-                            self.holes.place(
-                                flat[kind], Segment(name, kind, *zero3_bounds(numel, W, r), offset)
-                            )
+                            self.place(flat[kind], name, kind, *zero3_bounds(numel, W, r), offset)
                             offset += part
                     out["fp32"].append(flat[FP32])
                     out["state"][index] = {**scalars, **{kind: flat[kind] for kind in kinds}}

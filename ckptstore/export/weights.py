@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import knobs
+from .. import knobs, tensorsplit
 from ..catalog import Catalog
 from ..errors import BadInputError, CorruptError
 from ..format.cast import cast
@@ -57,7 +57,7 @@ class StepWeights:
     ) -> None:
         self.step, sources = compose.step_or_spec(step, spec, catalog, "export")
         description = json.loads(catalog.description(self.step))
-        params = description["params"]
+        self._params = params = description["params"]
         self.aliases: dict[str, str] = dict(description.get("aliases", {}))
         self.entries: list[Weight] = []
         for key, what in description["module_keys"]:
@@ -81,13 +81,17 @@ class StepWeights:
         tensor = self._reader(weight.name, weight.kind)
         if tensor is None:
             raise CorruptError(f"step {self.step} has no stored {weight.kind} tensor for {weight.name}")
+        if weight.name in self._params:  # a tensor-parallel one is stored a slice after another
+            tensor = tensorsplit.to_logical(tensor, self._params[weight.name])
         if dtype is not None and tensor.is_floating_point():
             tensor = cast(tensor, dtype)
         return tensor
 
     def stored_dtype(self, weight: Weight) -> torch.dtype | None:
         """The dtype ``weight`` is stored in when ``read_pieces`` can decode it (it is stored in
-        packs), else None (``read`` it)."""
+        packs in the weight's own order), else None (``read`` it)."""
+        if weight.name in self._params and not tensorsplit.in_logical_order(self._params[weight.name]):
+            return None
         if self._reader.pieces(weight.name, weight.kind) is None:
             return None
         return self._reader.dtype(weight.name, weight.kind)
