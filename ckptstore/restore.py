@@ -147,7 +147,9 @@ def _plan(
     reader = step_reader(objects, catalog, state, description, sources)
     if not parallel.same_split(description, engine, f"step {state}"):
         stored = description
-        description = reshard.recut(stored, extract(engine).description, f"step {state}")
+        # The engine is split as the step's own universal_checkpoint_info says, if it has one.
+        target = extract(engine, reshard.split_info(stored)).description
+        description = reshard.recut(stored, target, f"step {state}")
         reader = reshard.Relayout(reader, stored["params"], description["params"])
     # Where the load copies the fp32 masters and optimizer state into the engine's own buffers,
     # they are decoded straight into those buffers instead: no second copy in memory, and the

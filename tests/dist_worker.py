@@ -32,8 +32,9 @@ def rank() -> int:
     return dist.get_rank()
 
 
-def matches_store(engine, store, step) -> list[str]:
-    """(name, kind, start) pieces of this rank's engine state that differ from the store's tensors."""
+def matches_store(engine, store, step, client_state=None) -> list[str]:
+    """(name, kind, start) pieces of this rank's engine state that differ from the store's
+    tensors (``client_state`` as the commit had it: a Megatron client's says how it is split)."""
     import json as _json
 
     from ckptstore.deepspeed.extract import extract
@@ -41,7 +42,7 @@ def matches_store(engine, store, step) -> list[str]:
 
     tensors = step_reader(store.objects, store.catalog, step, _json.loads(store.catalog.description(step)))
     wrong = []
-    for piece in extract(engine).pieces:
+    for piece in extract(engine, client_state).pieces:
         full = tensors(piece.name, piece.kind)
         if full is None and piece.kind == "weight":
             full = tensors(piece.name, "fp32").to(piece.tensor.dtype)  # derived module weight

@@ -16,12 +16,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from tools import megatron_style  # noqa: E402
 from tools.engines import (  # noqa: E402
     batches,
     build_autotp_engine,
+    build_megatron_engine,
     build_pipeline_engine,
     destroy_engine,
     train,
+    train_megatron,
     train_pipeline,
 )
 
@@ -83,7 +86,10 @@ def differences(ours: Path, theirs: Path) -> list[str]:
 ENGINES = {
     "pipeline": (build_pipeline_engine, train_pipeline, "1"),
     "autotp": (build_autotp_engine, train, "model.layers.1"),
+    "megatron": (build_megatron_engine, train_megatron, "blocks.1"),
 }
+# What each kind's client passes to a save: a Megatron client says how its parameters are split.
+CLIENT_STATE = {"megatron": megatron_style.UNIVERSAL_INFO}
 
 
 def pipeline(root: Path, configs=((1, "fp32"), (1, "bf16"), (0, "fp32")), kind: str = "pipeline") -> dict:
@@ -101,8 +107,9 @@ def pipeline(root: Path, configs=((1, "fp32"), (1, "bf16"), (0, "fp32")), kind: 
         store = ckptstore.open(here / "store", create=True)
         engine = build(zero_stage=zero_stage, dtype=dtype)
         train_some(engine, DATA[:4])
-        store.commit(engine, step=2)
-        engine.save_checkpoint(str(here / "deepspeed"), tag=TAG.format(2))
+        client_state = CLIENT_STATE.get(kind, {})
+        store.commit(engine, step=2, client_state=client_state)
+        engine.save_checkpoint(str(here / "deepspeed"), tag=TAG.format(2), client_state=client_state)
         if rank() == 0:
             store.materialize(2, here / "materialized")
         barrier()
@@ -163,7 +170,7 @@ def composite(store, engine, kind: str) -> dict:
     _, train_some, layer = ENGINES[kind]
     at_step_2 = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
     train_some(engine, DATA[4:8])
-    store.commit(engine, step=4, layers=[layer], blocking=False)
+    store.commit(engine, step=4, layers=[layer], blocking=False, client_state=CLIENT_STATE.get(kind, {}))
     store.wait()
     at_step_4 = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
     train_some(engine, DATA[8:10])
@@ -173,7 +180,7 @@ def composite(store, engine, kind: str) -> dict:
     return {
         "sources": store.sources(4),
         "wrong": [name for name, tensor in now.items() if not torch.equal(tensor, expected[name])],
-        "wrong_in_store": matches_store(engine, store, 4),
+        "wrong_in_store": matches_store(engine, store, 4, CLIENT_STATE.get(kind)),
         "state_dict_keys": list(store.state_dict(4)),
     }
 
@@ -219,13 +226,13 @@ def reshard(root: Path, kind: str = "pipeline") -> dict:
     gives DeepSpeed's universal checkpoint too."""
     import ckptstore
 
-    split = {"pipeline": "stages", "autotp": "tp"}[kind]
+    split = {"pipeline": "stages", "autotp": "tp", "megatron": "tp"}[kind]
     build, train_some, _ = ENGINES[kind]
     results = {}
     for committed, restored, dtype in ((2, 1, "bf16"), (1, 2, "fp32")):
         # ds_to_universal needs universal_checkpoint_info: a pipeline's client says which weight
         # every stage keeps a copy of; AutoTP writes its own, an engine without it none.
-        client_state = UNIVERSAL_INFO if kind == "pipeline" else {}
+        client_state = UNIVERSAL_INFO if kind == "pipeline" else CLIENT_STATE.get(kind, {})
         if kind == "autotp" and committed == 1:
             client_state = {"universal_checkpoint_info": {}}
         here = root / f"{committed}to{restored}-{dtype}"
@@ -234,12 +241,12 @@ def reshard(root: Path, kind: str = "pipeline") -> dict:
         train_some(engine, DATA[:4])
         store.commit(engine, step=2, client_state=client_state)
         engine.save_checkpoint(str(here / "deepspeed"), tag=TAG.format(2), client_state=client_state)
-        if kind == "autotp" and rank() == 0:
+        if kind != "pipeline" and rank() == 0:
             store.materialize(2, here / "materialized")
         barrier()
         if rank() == 0:
             to_universal(here / "deepspeed" / TAG.format(2), here / "universal")
-            if kind == "autotp":
+            if kind != "pipeline":
                 to_universal(here / "materialized" / TAG.format(2), here / "universal-of-materialized")
         barrier()
         destroy_engine(engine)
@@ -256,7 +263,7 @@ def reshard(root: Path, kind: str = "pipeline") -> dict:
             run["weights_unlike_universal"] = weights_unlike_universal(
                 store, here / "universal" / TAG.format(2)
             )
-            if kind == "autotp":
+            if kind != "pipeline":
                 run["universal_of_materialized"] = universal_differences(
                     here / "universal-of-materialized" / TAG.format(2), here / "universal" / TAG.format(2)
                 )
@@ -291,9 +298,16 @@ MODES = {
     "pipeline": pipeline,
     "reshard": reshard,
     "pipeline_bf16": lambda root: pipeline(root, configs=((1, "bf16"),)),
-    "autotp": lambda root: {
-        "resume": pipeline(root / "resume", configs=((1, "fp32"), (2, "bf16")), kind="autotp"),
-        "reshard": reshard(root / "reshard", kind="autotp"),
+    # One job for both kinds of tensor parallelism: each interpreter start costs seconds.
+    "tensor_parallel": lambda root: {
+        "autotp": {
+            "resume": pipeline(root / "autotp", configs=((1, "fp32"), (2, "bf16")), kind="autotp"),
+            "reshard": reshard(root / "autotp-reshard", kind="autotp"),
+        },
+        "megatron": {
+            "resume": pipeline(root / "megatron", configs=((1, "fp32"),), kind="megatron"),
+            "reshard": reshard(root / "megatron-reshard", kind="megatron"),
+        },
     },
 }
 

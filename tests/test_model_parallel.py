@@ -125,58 +125,74 @@ def test_a_tensor_parallel_engine_without_autotp_or_universal_info_is_refused_na
 
 
 @pytest.fixture(scope="module")
-def autotp(tmp_path_factory) -> tuple[Path, dict]:
-    """One job of 2 ranks: AutoTP-2 steps resumed (ZeRO 1 fp32, ZeRO 2 bf16), then resharded."""
-    root = tmp_path_factory.mktemp("autotp")
-    return root, torchrun("autotp", root)
+def tensor_parallel(tmp_path_factory) -> tuple[Path, dict]:
+    """One job of 2 ranks: AutoTP-2 steps (ZeRO 1 fp32, ZeRO 2 bf16) and steps of a Megatron-style
+    model with its own mpu (ZeRO 1 fp32) resumed, then each kind resharded to 1 and from 1."""
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    return root, torchrun("tensor_parallel", root)
 
 
-@pytest.mark.parametrize("config", ["zero1-fp32", "zero2-bf16"])
-def test_an_autotp_step_materializes_as_deepspeeds_own_and_resumes_bit_exactly(autotp, config):
-    _, observed = autotp
-    run = observed[0]["resume"][config]
+TP_CONFIGS = [("autotp", "zero1-fp32"), ("autotp", "zero2-bf16"), ("megatron", "zero1-fp32")]
+
+
+@pytest.mark.parametrize("kind, config", TP_CONFIGS)
+def test_a_tensor_parallel_step_materializes_as_deepspeeds_own_and_resumes_bit_exactly(
+    tensor_parallel, kind, config
+):
+    _, observed = tensor_parallel
+    run = observed[0][kind]["resume"][config]
     assert run["materialized_files"] == run["deepspeed_files"]
     assert "mp_rank_01_model_states.pt" in run["materialized_files"]
     assert run["as_written"] == []
     assert run["differences"] == {"materialized": [], "restore": []}
     for rank in observed:
-        losses = rank["resume"][config]["losses"]
+        losses = rank[kind]["resume"][config]["losses"]
         assert losses["materialized"] == losses["restore"] == losses["deepspeed"], config
 
 
-def test_an_autotp_layer_is_one_layer_whatever_the_slices_and_a_composite_takes_it_from_its_step(autotp):
-    root, observed = autotp
+def test_a_tensor_parallel_layer_is_one_layer_whatever_the_slices_and_a_composite_takes_it_from_its_step(
+    tensor_parallel,
+):
+    root, observed = tensor_parallel
+    layers = {
+        "autotp": {
+            "model.embed_tokens": 2,
+            "model.layers.0": 2,
+            "model.layers.1": 4,
+            "model.norm": 2,
+            "lm_head": 2,
+        },
+        "megatron": {"embed": 2, "blocks.0": 2, "blocks.1": 4, "norm": 2, "head": 2},
+    }
     for rank in observed:
-        run = rank["resume"]["zero1-fp32"]["composite"]
-        assert run["wrong"] == [] and run["wrong_in_store"] == []
-        assert run["sources"] == {
-            "model.embed_tokens": 2, "model.layers.0": 2, "model.layers.1": 4, "model.norm": 2, "lm_head": 2,
-        }  # fmt: skip
-    store = ckptstore.open(root / "resume" / "zero1-fp32" / "store")
+        for kind, sources in layers.items():
+            run = rank[kind]["resume"]["zero1-fp32"]["composite"]
+            assert run["wrong"] == [] and run["wrong_in_store"] == [], kind
+            assert run["sources"] == sources
+    store = ckptstore.open(root / "autotp" / "zero1-fp32" / "store")
     assert store.verify().ok
     description = json.loads(store.catalog.description(2))
     # each parameter once, at its logical shape; a row-parallel one says how it is split
-    assert description["params"]["model.layers.0.self_attn.o_proj.weight"]["shape"] == [32, 32]
-    assert description["params"]["model.layers.0.self_attn.o_proj.weight"]["split"] == {
-        "dim": 1,
-        "sizes": [16, 16],
-    }
+    o_proj = description["params"]["model.layers.0.self_attn.o_proj.weight"]
+    assert o_proj["shape"] == [32, 32] and o_proj["split"] == {"dim": 1, "sizes": [16, 16]}
     assert "split" not in description["params"]["model.norm.weight"]
-    weights = store.state_dict(2)
-    assert weights["model.layers.0.mlp.down_proj.weight"].shape == (32, 88)
+    assert store.state_dict(2)["model.layers.0.mlp.down_proj.weight"].shape == (32, 88)
 
 
-def test_an_autotp_step_restored_into_another_number_of_slices_equals_deepspeeds_universal_checkpoint(autotp):
-    _, observed = autotp
+@pytest.mark.parametrize("kind", ["autotp", "megatron"])
+def test_a_tensor_parallel_step_restored_into_another_degree_equals_deepspeeds_universal_checkpoint(
+    tensor_parallel, kind
+):
+    _, observed = tensor_parallel
     for config in ("2to1-bf16", "1to2-fp32"):
-        run = observed[0]["reshard"][config]
+        run = observed[0][kind]["reshard"][config]
         assert run["differences"] == [], config
         # state_dict gives the universal checkpoint's full tensors, a row-parallel one included
         assert run["weights_unlike_universal"] == [], config
         # ds_to_universal reads a materialized step as DeepSpeed's own
         assert run["universal_of_materialized"] == [], config
     for rank in observed:
-        for config, run in rank["reshard"].items():
+        for config, run in rank[kind]["reshard"].items():
             assert run["losses"]["restore"] == run["losses"]["universal"], config
 
 

@@ -329,6 +329,44 @@ def build_autotp_engine(
     )
 
 
+def build_megatron_engine(
+    tp: int = 2,
+    zero_stage: int = 1,
+    dtype: str = "fp32",
+    seed: int = 0,
+    num_layers: int = 2,
+    **overrides: Any,
+):
+    """``tools/megatron_style.MLPStack`` split over ``tp`` tensor-parallel ranks by its own
+    column- and row-parallel linears, handed to DeepSpeed with its ``mpu`` (the data parallel
+    over the rest). Train it with ``train_megatron``; its client passes ``UNIVERSAL_INFO``."""
+    setup_single_process_env()
+    import deepspeed
+
+    from tools.megatron_style import MLPStack, ModelParallelUnit
+
+    deepspeed.init_distributed(dist_backend=None, verbose=False)
+    mpu = ModelParallelUnit(tp)
+    torch.manual_seed(seed)
+    module = MLPStack(mpu, layers=num_layers)
+    cfg = ds_config(zero_stage, dtype, **overrides)
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=_param_groups(module, 0.01), config=cfg, mpu=mpu
+    )
+    return engine
+
+
+def train_megatron(engine, batch_list) -> list[float]:
+    """One optimizer step per batch of ``build_megatron_engine``'s model; the losses."""
+    losses = []
+    for batch in batch_list:
+        loss = engine(batch.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float().item()))
+    return losses
+
+
 def train_pipeline(engine, batch_list) -> list[float]:
     """One ``train_batch`` per two batches (the engine's two micro-batches), each batch's
     labels its inputs shifted by one; returns the losses (every stage gets the last one's)."""
@@ -405,11 +443,11 @@ def destroy_engine(engine, collect: bool = True) -> None:
     live engines: it is only recomputed).
     """
     module = getattr(engine, "module", None)
-    autotp = engine.autotp_size() > 1 if hasattr(engine, "autotp_size") else False
+    model_parallel = getattr(engine, "mpu", None) is not None
     try:
         engine.destroy()
     finally:
-        if autotp:  # AutoTP leaves its groups as DeepSpeed's for every later engine of the process
+        if model_parallel:  # an mpu (AutoTP's too) stays DeepSpeed's for every later engine otherwise
             from deepspeed.utils import groups
 
             groups._release_process_group_references()

@@ -30,6 +30,15 @@ from .fill import TensorSource
 _SPLIT_KEYS = ("mp_world_size", "checkpoint_parallel_dimensions")
 
 
+def split_info(stored: dict) -> dict:
+    """The client state that tells ``extract`` how an engine's parameters are split, from the
+    step's own (a Megatron client's ``universal_checkpoint_info`` names its parameters by
+    pattern, whatever the degree); empty where the step has none."""
+    model_state = parallel.rank_description(stored, 0)["model_state"]
+    info = model_state.get(parallel.UNIVERSAL_INFO)
+    return {parallel.UNIVERSAL_INFO: info} if isinstance(info, dict) else {}
+
+
 def recut(stored: dict, target: dict, what: str) -> dict:
     """``stored`` (a step's description) re-cut for the engine ``target`` describes (its own
     rank's part, as ``extract`` gives it): ``target``'s layout and split, the step's state.
