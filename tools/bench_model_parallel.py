@@ -1,15 +1,17 @@
-"""Benchmark ckptstore on a DeepSpeed pipeline against DeepSpeed's own tools, in the same run.
+"""Benchmark ckptstore on model-parallel DeepSpeed engines against DeepSpeed's own tools, in one run.
 
-    python tools/bench_pipeline.py [--hidden 2048 --layers 8 --vocab 4096 --reps 3]
+    python tools/bench_model_parallel.py [--split pipeline|autotp] [--hidden H --layers L --vocab V --reps 3]
 
-Relaunches itself on 2 ranks under ``torch.distributed.run`` (gloo on CPU): a language model
-of ``--layers`` MLP blocks and a tied embedding, as a 2-stage ``PipelineEngine``, bf16 and
-ZeRO-1. Prints, as ratios measured side by side (absolute times on a shared machine are noise):
+Relaunches itself on 2 ranks under ``torch.distributed.run`` (gloo on CPU), bf16 and ZeRO-1:
+``pipeline`` is a language model of ``--layers`` MLP blocks and a tied embedding as a 2-stage
+``PipelineEngine``; ``autotp`` a Llama of ``--layers`` layers split over 2 tensor-parallel
+ranks by AutoTP. Prints, as ratios measured side by side (absolute times on a shared machine
+are noise):
 
 - a full commit until durable against ``save_checkpoint`` followed by an fsync of its files
   (ckptstore's commits are fsynced, DeepSpeed's are not), and the bytes each adds;
-- restoring that 2-stage step into a 1-stage pipeline (``restore`` reshards at read time)
-  against DeepSpeed's way: ``ds_to_universal`` of its directory, then ``load_checkpoint`` with
+- restoring that 2-way step into a 1-way engine (``restore`` reshards at read time) against
+  DeepSpeed's way: ``ds_to_universal`` of its directory, then ``load_checkpoint`` with
   ``load_universal``, with the second copy that conversion writes.
 """
 
@@ -26,10 +28,37 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.bench import barrier_timed, dir_bytes, fsync_tree  # noqa: E402
-from tools.engines import batches, build_pipeline_engine, destroy_engine, free_port, train_pipeline  # noqa: E402
+from tools.engines import (  # noqa: E402
+    batches,
+    build_autotp_engine,
+    build_pipeline_engine,
+    destroy_engine,
+    free_port,
+    train,
+    train_pipeline,
+)
 
-UNIVERSAL_INFO = {
-    "universal_checkpoint_info": {"pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.weight"]}
+# Per kind of split: how an engine of 1 or 2 ways is built and trained, what its client passes
+# for ds_to_universal (AutoTP writes its own), and the default model size.
+SPLITS = {
+    "pipeline": {
+        "build": lambda ways, **options: build_pipeline_engine(stages=ways, **options),
+        "train": train_pipeline,
+        "client_state": {
+            "universal_checkpoint_info": {
+                "pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.weight"]
+            }
+        },
+        "model": {"hidden": 2048, "num_layers": 8, "vocab": 4096},
+        "what": "2-stage pipeline",
+    },
+    "autotp": {
+        "build": lambda ways, **options: build_autotp_engine(tp=ways, **options),
+        "train": train,
+        "client_state": {},
+        "model": {"hidden": 1024, "num_layers": 4, "vocab": 8192},
+        "what": "AutoTP-2 Llama",
+    },
 }
 
 
@@ -48,9 +77,10 @@ def to_universal(checkpoint: Path, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--split", choices=sorted(SPLITS), default="pipeline")
+    parser.add_argument("--hidden", type=int, default=None, help="default: per split")
+    parser.add_argument("--layers", type=int, default=None, help="default: per split")
+    parser.add_argument("--vocab", type=int, default=None, help="default: per split")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args()
@@ -65,25 +95,29 @@ def main() -> int:
 
     deepspeed.init_distributed(dist_backend=None, verbose=False)
 
-    model = {"hidden": args.hidden, "num_layers": args.layers, "vocab": args.vocab, "dtype": "bf16"}
-    data = batches(8, vocab=args.vocab)  # 4 optimizer steps, past the first (lr 0 in WarmupLR)
+    split = SPLITS[args.split]
+    build, train_some, client_state = split["build"], split["train"], split["client_state"]
+    given = {"hidden": args.hidden, "num_layers": args.layers, "vocab": args.vocab}
+    model = {**split["model"], **{k: v for k, v in given.items() if v is not None}, "dtype": "bf16"}
+    # 4 optimizer steps past the first (lr 0 in WarmupLR); a pipeline takes 2 micro-batches a step
+    data = batches(8 if args.split == "pipeline" else 4, vocab=model["vocab"])
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
         work = Path(scratch) if dist.get_rank() == 0 else None
         shared = [work]
         dist.broadcast_object_list(shared, src=0)
         work = shared[0]
-        engine = build_pipeline_engine(stages=2, **model)
-        train_pipeline(engine, data)
+        engine = build(2, **model)
+        train_some(engine, data)
         params = sum(p.numel() for p in engine.module.parameters())
         ds_times, commit_times = [], []
         for rep in range(args.reps):
             folder = work / f"ds{rep}"
             seconds, _ = barrier_timed(
-                engine.save_checkpoint, str(folder), tag="t", client_state=UNIVERSAL_INFO
+                engine.save_checkpoint, str(folder), tag="t", client_state=client_state
             )
             ds_times.append(seconds + barrier_timed(fsync_tree, folder)[0])
             store = ckptstore.open(work / f"store{rep}", create=True)
-            commit_times.append(barrier_timed(store.commit, engine, 2, client_state=UNIVERSAL_INFO)[0])
+            commit_times.append(barrier_timed(store.commit, engine, 2, client_state=client_state)[0])
         ds_bytes, store_bytes = dir_bytes(work / "ds0"), dir_bytes(work / "store0")
         destroy_engine(engine)
 
@@ -91,10 +125,10 @@ def main() -> int:
         seconds_convert = barrier_timed(
             lambda: dist.get_rank() or to_universal(work / "ds0" / "t", universal)
         )[0]
-        engine = build_pipeline_engine(stages=1, checkpoint={"load_universal": True}, **model)
+        engine = build(1, checkpoint={"load_universal": True}, **model)
         seconds_load = barrier_timed(engine.load_checkpoint, str(universal), tag="t")[0]
         destroy_engine(engine)
-        engine = build_pipeline_engine(stages=1, **model)
+        engine = build(1, **model)
         seconds_restore = barrier_timed(ckptstore.open(work / "store0").restore, engine, 2)[0]
         destroy_engine(engine)
         universal_bytes = dir_bytes(universal)
@@ -103,7 +137,7 @@ def main() -> int:
             ds, commit = statistics.median(ds_times), statistics.median(commit_times)
             uc = seconds_convert + seconds_load
             print(
-                f"\n2-stage pipeline, 2 ranks, bf16 ZeRO-1, {params / 1e6:.0f}M parameters, median of {args.reps}"
+                f"\n{split['what']}, 2 ranks, bf16 ZeRO-1, {params / 1e6:.0f}M parameters on rank 0, median of {args.reps}"
             )
             print("| operation | seconds | ratio |")
             print("|---|---:|---:|")
@@ -113,7 +147,7 @@ def main() -> int:
                   f"| | {store_bytes / ds_bytes:.3f}x |")  # fmt: skip
             print(f"| ds_to_universal {seconds_convert:.2f} s + load_universal {seconds_load:.2f} s "
                   f"(second copy: {universal_bytes / 2**20:.0f} MiB) | {uc:.2f} | 1.00x |")  # fmt: skip
-            print(f"| restore into 1 stage (resharded at read time, no copy) | {seconds_restore:.2f} "
+            print(f"| restore into 1 way (resharded at read time, no copy) | {seconds_restore:.2f} "
                   f"| {seconds_restore / uc:.2f}x |")  # fmt: skip
     dist.destroy_process_group()
     return 0
