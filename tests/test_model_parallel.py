@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import ckptstore
 from ckptstore.errors import BadInputError, UnsupportedError
@@ -177,6 +178,21 @@ def test_a_tensor_parallel_layer_is_one_layer_whatever_the_slices_and_a_composit
     assert o_proj["shape"] == [32, 32] and o_proj["split"] == {"dim": 1, "sizes": [16, 16]}
     assert "split" not in description["params"]["model.norm.weight"]
     assert store.state_dict(2)["model.layers.0.mlp.down_proj.weight"].shape == (32, 88)
+
+
+@pytest.mark.parametrize("kind", ["autotp", "megatron"])
+def test_a_tensor_parallel_step_exports_its_full_tensors_under_the_models_own_names(
+    tensor_parallel, kind, tmp_path
+):
+    from safetensors.torch import load_file
+
+    root, _ = tensor_parallel
+    store = ckptstore.open(root / kind / "zero1-fp32" / "store")
+    weights = store.state_dict(2)  # equal to the universal checkpoint's (the reshard test)
+    store.export(2, tmp_path / "out", dtype="float32")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(exported) == sorted(weights)
+    assert [name for name, tensor in weights.items() if not torch.equal(exported[name], tensor)] == []
 
 
 @pytest.mark.parametrize("kind", ["autotp", "megatron"])
