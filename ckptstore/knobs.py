@@ -296,6 +296,22 @@ def local_upload() -> str:
     return value
 
 
+@setting("REPLICAS", "integer")
+def replicas() -> int:
+    """Other nodes' local tiers each commit is copied into (``replicas=``; 0: none)."""
+    return read_int("REPLICAS", 0, 0, 1000)
+
+
+@setting("NODE", "node name")
+def node() -> str:
+    """This process's node, for choosing replica peers ("" or unset: torchrun's GROUP_RANK,
+    else the host name): up to 255 printable characters, no spaces. BadInputError otherwise."""
+    value = read_raw("NODE") or ""
+    if len(value) > 255 or not all(c.isprintable() and not c.isspace() for c in value):
+        raise bad_value("NODE", value, "up to 255 printable characters without spaces")
+    return value
+
+
 @setting("LOCAL_MAX_BYTES", "integer")
 def local_max_bytes() -> int:
     """Bytes of steps not uploaded yet past which a commit waits for the uploads (0: no limit)."""

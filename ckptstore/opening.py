@@ -40,6 +40,7 @@ def open(  # noqa: A001 - the public name
     local_keep: int | None = None,
     local_max_bytes: int | None = None,
     local_upload: str | None = None,
+    replicas: int | None = None,
     s3_timeout: float | None = None,
     key: bytes | None = None,
 ) -> Store:
@@ -66,7 +67,9 @@ def open(  # noqa: A001 - the public name
     keeps only what its ``local_keep`` newest steps need (default ``CKPTSTORE_LOCAL_KEEP``, 2).
     Past ``local_max_bytes`` of steps not uploaded yet (default ``CKPTSTORE_LOCAL_MAX_BYTES``,
     0: no limit) a commit waits for the uploads. A directory fronts one store: it records
-    which, and refuses another.
+    which, and refuses another. ``replicas`` (default ``CKPTSTORE_REPLICAS``, 0) copies each
+    commit into the local tiers of that many other nodes of the job, behind training
+    (``ckptstore.tier.replicas``); with it, opening is collective (every rank opens).
 
     Raises BadInputError for a ``uri`` that is no path or URI string, or a key the store was not
     created with (or one it was created with, missing), NotFoundError if the
@@ -92,13 +95,19 @@ def open(  # noqa: A001 - the public name
         objects = _unreachable_remote(uri, local, endpoint_url, exc, s3_timeout)
         objects.content_hash = content_hash
         offline = True
+    replicas = (
+        knobs.replicas() if replicas is None else require_int(replicas, "replicas", minimum=0, maximum=1000)
+    )
     if not local:
+        if replicas:
+            raise BadInputError("replicas= copies commits between nodes' local tiers: open with local= too")
         return Store(objects, catalog_file.open_catalog(objects))
     tiered, tier = _open_tier(
         objects, local, endpoint_url, offline=offline,
         keep=knobs.local_keep() if local_keep is None else local_keep,
         max_bytes=knobs.local_max_bytes() if local_max_bytes is None else local_max_bytes,
     )  # fmt: skip
+    tier.replicas = replicas
     store = Store(tiered, catalog_file.open_catalog(tiered), tier=tier)
     upload = knobs.local_upload() if local_upload is None else local_upload
     if upload not in ("background", "drain"):

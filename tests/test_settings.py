@@ -26,6 +26,7 @@ JUNK = {
     "store": "ftp://host/run",
     "directory": "{file}/below-a-file",
     "key file": "{tmp}/no-such.key",
+    "node name": "rack 7",
 }
 
 

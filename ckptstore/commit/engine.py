@@ -16,6 +16,7 @@ from .. import auxfiles, strategies
 from ..arguments import check_commit, check_layers, check_step
 from ..catalog import Catalog
 from ..objects import ObjectStore
+from . import ranks
 from .background import CommitHandle, CommitQueue
 from .step import CommitReport, commit_step, submit_commit
 
@@ -26,6 +27,10 @@ class TierCommits(Protocol):
     def wait_for_room(self) -> None: ...
 
     def committed(self) -> None: ...
+
+    replicas: int
+
+    def replicate(self, step: int) -> Any: ...
 
 
 class EngineCommits:
@@ -58,15 +63,21 @@ class EngineCommits:
         take_snapshot = functools.partial(extract, engine, client_state)
         if self.tier is not None:
             self.tier.wait_for_room()
+        replicate = self.tier is not None and self.tier.replicas > 0
         if not blocking:
             self._queue = self._queue or CommitQueue()
             return submit_commit(
-                self._queue, self.objects, self.catalog, step, engine, take_snapshot, **options
-            )
+                self._queue, self.objects, self.catalog, step, engine, take_snapshot,
+                then=functools.partial(self.tier.replicate, step) if replicate else None, **options,
+            )  # fmt: skip
         self.wait()
         report = commit_step(self.objects, self.catalog, step, take_snapshot, **options)
         if self.tier is not None:
             self.tier.committed()
+        if replicate:  # behind training, as a non-blocking commit's own copies are made
+            ranks.use_commit_group()
+            self._queue = self._queue or CommitQueue()
+            self._queue.submit(step, functools.partial(_replicate, self.tier, step))
         return report
 
     def wait(self) -> CommitReport | None:
@@ -77,3 +88,8 @@ class EngineCommits:
         """Flush the commit in flight (raising its error) and stop the background worker."""
         if self._queue is not None:
             self._queue.close()
+
+
+def _replicate(tier: TierCommits, step: int) -> None:
+    # A queued job's result is what ``wait`` returns: a blocking commit's replication has none.
+    tier.replicate(step)

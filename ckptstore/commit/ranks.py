@@ -32,6 +32,11 @@ def use_commit_group() -> None:
         _group = dist.new_group(backend="gloo")
 
 
+def commit_group():
+    """The process group commits talk over (None: the default one, until ``use_commit_group``)."""
+    return _group
+
+
 def world() -> tuple[int, int]:
     """``(rank, world size)`` of the default process group; ``(0, 1)`` without torch.distributed."""
     import torch.distributed as dist

@@ -97,7 +97,9 @@ class _RankCommit:
         if self.rank_zero:
             self.samples = {name: s for name, s in samples.items() if layer_of(name) in saved}
         files = auxfiles.store(self.objects, self.file_entries) if self.file_entries is not None else None
-        self.objects.note_share(self.step, snapshot.rank, _share_names(stored, files))
+        # By global rank, as a tier uploads and replicates shares: a model-parallel job has
+        # several ranks of one data-parallel rank.
+        self.objects.note_share(self.step, ranks.world()[0], _share_names(stored, files))
         return _RankShare(description if self.rank_zero else None, snapshot.world_size, stored, files)
 
     def step_files(self, shares: list[_RankShare]) -> list[FileRow]:
@@ -215,9 +217,11 @@ def submit_commit(
     step: int,
     engine: Any,
     take_snapshot: Callable[[], Snapshot],
+    then: Callable[[], Any] | None = None,
     **options: Any,
 ) -> CommitHandle:
-    """Start a commit of ``step`` that runs behind training; returns its handle at once.
+    """Start a commit of ``step`` that runs behind training; returns its handle at once;
+    ``then`` runs after it, on the same thread, once it is durable.
 
     Waits for the commit in flight (raising its error), checks the step, then takes the
     snapshot (views of the engine's live tensors), which ``queue`` copies in the background
@@ -232,7 +236,11 @@ def submit_commit(
         options["files"] = auxfiles.read(options["files"])
     ranks.use_commit_group()  # background collectives must not mix with training's
     snapshot = take_snapshot()
-    return queue.submit_snapshot(
-        step, engine, snapshot,
-        lambda copy: commit_step(objects, catalog, step, lambda: copy, background=True, **options),
-    )  # fmt: skip
+
+    def commit(copy: Snapshot) -> CommitReport:
+        report = commit_step(objects, catalog, step, lambda: copy, background=True, **options)
+        if then is not None:
+            then()
+        return report
+
+    return queue.submit_snapshot(step, engine, snapshot, commit)

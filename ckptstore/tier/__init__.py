@@ -23,6 +23,7 @@ from ..errors import CkptStoreError, NotFoundError, StorageError
 from ..format.config import ensure_config
 from ..objects import ObjectStore
 from .prune import PruneReport, prune
+from .replicas import Peers, ReplicaReport, node_name, replicate, replicated_steps
 from .upload import (
     StepUpload,
     local_steps,
@@ -82,8 +83,15 @@ class Tier:
         keep: int,
         max_bytes: int = 0,
         remote_checked: bool = True,
+        replicas: int = 0,
     ) -> None:
         self.local = local
+        #: How many other nodes' tiers each commit is copied into (``replicas``).
+        self.replicas = replicas
+        self._peers: Peers | None = None
+        #: What each replication of this process moved, and why one failed, by step.
+        self.replica_reports: dict[int, ReplicaReport] = {}
+        self.replica_errors: dict[int, str] = {}
         self.remote = remote
         # False when the store was opened while it could not be reached: its config is checked
         # (and, for a new store, written) before the first upload.
@@ -105,6 +113,43 @@ class Tier:
         """A commit just landed in the tier: the background uploader, if any, starts on it."""
         if self._uploader is not None:
             self._uploader.wake()
+
+    def replicate(self, step: int) -> ReplicaReport | None:
+        """Copy this rank's share of ``step`` into its peers' tiers and keep theirs
+        (``replicas``); what moved, or None without replicas. Collective over the commit
+        process group: every rank calls it after the same commits, in the same order. A
+        failure is logged and kept in ``replica_errors``, never raised: the step is durable
+        here and goes up to the remote store as any other."""
+        if self.replicas == 0:
+            return None
+        import torch.distributed as dist
+
+        from ..commit import ranks
+
+        rank, size = ranks.world()
+        if size == 1:
+            return None
+        try:
+            group = ranks.commit_group()
+            if self._peers is None:
+                nodes: list = [None] * size
+                dist.all_gather_object(nodes, node_name(), group=group)
+                self._peers = Peers.of(nodes, rank, self.replicas)
+            from .upload import read_share
+
+            report = replicate(self.local, step, rank, read_share(self.local, step, rank), self._peers, group)
+        except Exception as exc:  # the step is committed; only its copies are missing
+            self.replica_errors[step] = str(exc)
+            log.warning("ckptstore: step %d was not replicated to other nodes: %s", step, exc)
+            return None
+        self.replica_reports[step] = report
+        return report
+
+    def replicated(self) -> set[int]:
+        """The steps whose share of this rank every peer holds."""
+        from ..commit import ranks
+
+        return replicated_steps(self.local, ranks.world()[0])
 
     def wait_for_room(self) -> None:
         """Return once the steps not uploaded yet take at most ``max_bytes`` (at once when

@@ -3,6 +3,7 @@
 The local tier keeps every object its ``keep`` newest steps name (so restoring one of them on
 this node reads nothing from the remote) and everything of every step not uploaded yet; the
 rest, which the remote holds, is deleted, manifests and upload marks of the dropped steps last.
+A peer's replicas are kept by the same rule: the manifest of a step names every rank's objects.
 It runs under the tier's exclusive lock, so a commit in flight (which holds it shared) never
 has a pack it wrote or found deleted before its manifest names it.
 """
@@ -15,6 +16,7 @@ from ..catalog.sync import read_manifest
 from ..format import layout
 from ..objects import ObjectStore
 from ..objects.tiered import SHARES
+from .replicas import REPLICAS, REPLICATED
 from .upload import (
     object_names,
     pending_shares,
@@ -70,9 +72,13 @@ def prune(local: ObjectStore, keep: int) -> PruneReport:
         )
         done = uploaded_steps(local)
         local.delete_many([uploaded_name(step) for step in dropped if step in done])
-        local.delete_many([info.name for info in local.list(SHARES) if _share_step(info.name) in dropped])
+        for records in (SHARES, REPLICAS, REPLICATED):
+            local.delete_many(
+                [info.name for info in local.list(records) if _step_of(records, info.name) in dropped]
+            )
     return PruneReport(dropped, len(stored), sum(info.size for info in stored))
 
 
-def _share_step(name: str) -> int | None:
-    return layout.parse_number(name[len(SHARES) :].partition("/")[0])
+def _step_of(records: str, name: str) -> int | None:
+    """The step of a record under ``records/<step>/``."""
+    return layout.parse_number(name[len(records) :].partition("/")[0])

@@ -1,0 +1,194 @@
+"""Peer replicas: each rank's new objects of a commit copied into other nodes' local tiers.
+
+With ``open(uri, local=PATH, replicas=N)``, once a commit is durable in the tiers each rank
+sends the objects its share names (the packs and files it wrote, ``note_share``) to the rank
+of the same local index on each of the ``N`` nodes after its own (a ring over node indexes,
+so that no two copies share a node), over the commit process group, behind training. Only
+what a peer lacks travels: the names go first, the peer answers with those it does not hold,
+then their bytes, one object at a time. The peer writes each into its tier (create-only and
+durable, as a commit writes it: objects are named by content, so one it holds is the same)
+and records what it holds for whom (``tier/replicas/<step>/<rank>.json``); the sender marks
+its share replicated (``tier/replicated/<step>/<rank>``) once every peer has said it is
+durable. A replica is trusted no more than any object: a read verifies each piece's content key.
+
+Every rank runs the same replications in the same order (one per commit), so each pair of
+ranks meets in step; with one rank per node, or one node, there is no peer and nothing to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from .. import knobs
+from ..errors import CorruptError
+from ..format import layout
+from ..objects import ObjectStore
+
+log = logging.getLogger("ckptstore")
+
+REPLICAS = "tier/replicas/"
+REPLICATED = "tier/replicated/"
+# A peer's list of names or answer is JSON; far beyond any share's, and checked before allocating.
+_MAX_LIST_BYTES = 1 << 30
+
+
+def replicas_name(step: int, rank: int) -> str:
+    """Where a tier lists what it holds of rank ``rank``'s share of ``step`` for that rank."""
+    return f"{REPLICAS}{step:012d}/{rank}.json"
+
+
+def replicated_name(step: int, rank: int) -> str:
+    """The sender's mark that rank ``rank``'s share of ``step`` is durable on every peer."""
+    return f"{REPLICATED}{step:012d}/{rank}"
+
+
+def node_name() -> str:
+    """This process's node: ``CKPTSTORE_NODE``, else torchrun's ``GROUP_RANK`` (the agent's
+    node rank), else the host name."""
+    return knobs.node() or os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Whom one rank sends its share to (``send_to``) and receives replicas from
+    (``receive_from``), pair by pair: ``send_to[k]`` receives from this rank while it receives
+    from ``receive_from[k]``."""
+
+    send_to: list[int]
+    receive_from: list[int]
+
+    @classmethod
+    def of(cls, nodes: list[str], rank: int, replicas: int) -> Peers:
+        """The peers of ``rank`` in a job whose rank ``r`` runs on node ``nodes[r]``: the rank
+        of the same local index on each of the ``replicas`` nodes after its own (and before
+        it, to receive from), in the order the nodes first appear; fewer where the job has
+        fewer nodes or a node has fewer ranks."""
+        order = list(dict.fromkeys(nodes))
+        ranks_on = {node: [r for r, n in enumerate(nodes) if n == node] for node in order}
+        here = order.index(nodes[rank])
+        index = ranks_on[nodes[rank]].index(rank)
+        send_to, receive_from = [], []
+        for k in range(1, min(replicas, len(order) - 1) + 1):
+            after, before = ranks_on[order[(here + k) % len(order)]], ranks_on[order[(here - k) % len(order)]]
+            if index < len(after) and index < len(before):
+                send_to.append(after[index])
+                receive_from.append(before[index])
+        return cls(send_to, receive_from)
+
+
+@dataclass
+class ReplicaReport:
+    """What one rank's replication of a step moved: objects and bytes sent to its peers, and
+    received from the ranks it keeps replicas for."""
+
+    step: int
+    sent_objects: int = 0
+    sent_bytes: int = 0
+    received_objects: int = 0
+    received_bytes: int = 0
+
+
+def replicate(
+    local: ObjectStore, step: int, rank: int, share: dict[str, int], peers: Peers, group
+) -> ReplicaReport:
+    """Copy ``share`` (this rank's objects of ``step``: name -> size) into each peer's tier and
+    keep theirs in ``local``, as the module says; returns what moved. Every rank of ``group``
+    with peers calls it for the same step. Raises what torch.distributed raises when a peer
+    is gone, CorruptError for a peer's malformed message; the share is then not marked."""
+    report = ReplicaReport(step)
+    for send_to, receive_from in zip(peers.send_to, peers.receive_from, strict=True):
+        link = _Link(send_to, receive_from, group)
+        theirs = _names(link.exchange(json.dumps(share, sort_keys=True).encode()), f"rank {receive_from}")
+        if not isinstance(theirs, dict) or not all(
+            isinstance(size, int) and 0 <= size <= knobs.MAX_BYTES for size in theirs.values()
+        ):
+            raise CorruptError(f"rank {receive_from} sent a share without the size of each object")
+        wanted = [name for name in theirs if not local.exists(name)]
+        asked = [name for name in _names(link.exchange(json.dumps(wanted).encode()), f"rank {send_to}")]
+        if not set(asked) <= set(share):
+            raise CorruptError(f"rank {send_to} asked for objects not in step {step}'s share of rank {rank}")
+        for i in range(max(len(asked), len(wanted))):
+            data = local.get(asked[i]) if i < len(asked) else None
+            receiving = i < len(wanted)
+            received = link.exchange(data, receive=receiving, size=theirs[wanted[i]] if receiving else None)
+            if data is not None:
+                report.sent_objects += 1
+                report.sent_bytes += len(data)
+            if received is not None:
+                local.put_if_absent(wanted[i], received)
+                report.received_objects += 1
+                report.received_bytes += len(received)
+        kept = {name: theirs[name] for name in theirs}
+        local.delete(replicas_name(step, receive_from))  # a failed try of the same step may have left one
+        local.put_if_absent(replicas_name(step, receive_from), json.dumps(kept, sort_keys=True).encode())
+        link.exchange(b"durable")  # said once the replicas (and their list) are durable here
+    local.put_if_absent(replicated_name(step, rank), b"")
+    return report
+
+
+def replicated_steps(local: ObjectStore, rank: int) -> set[int]:
+    """The steps whose share of ``rank`` this tier marked replicated."""
+    steps = set()
+    for info in local.list(REPLICATED):
+        step, _, who = info.name[len(REPLICATED) :].partition("/")
+        if who == str(rank) and (number := layout.parse_number(step)) is not None:
+            steps.add(number)
+    return steps
+
+
+def _names(data: bytes, sender: str) -> dict[str, int] | list[str]:
+    """A peer's list of object names (or names with sizes), each a pack, blob or file name."""
+    try:
+        names = json.loads(data)
+    except ValueError:
+        raise CorruptError(f"{sender} sent a list of objects that is not JSON") from None
+    listed = list(names) if isinstance(names, dict | list) else None
+    if listed is None or not all(isinstance(name, str) and _is_object(name) for name in listed):
+        raise CorruptError(f"{sender} sent names that are no pack, blob or file of a store")
+    return names
+
+
+def _is_object(name: str) -> bool:
+    return any(parse(name) is not None for parse in (layout.parse_pack_name, layout.parse_blob_name,
+                                                      layout.parse_file_name))  # fmt: skip
+
+
+class _Link:
+    """Messages between this rank and a pair of peers: each ``exchange`` sends one message to
+    ``send_to`` while it receives one from ``receive_from`` (the same rank, with two nodes)."""
+
+    def __init__(self, send_to: int, receive_from: int, group) -> None:
+        self.send_to, self.receive_from, self.group = send_to, receive_from, group
+
+    def exchange(self, data: bytes | None, *, receive: bool = True, size: int | None = None) -> bytes | None:
+        """Send ``data`` (None: nothing) and receive a message (``receive`` False: none) of
+        ``size`` bytes (None: a list, of a bounded size); returns what was received. The sizes
+        go first, checked before anything is allocated for the message."""
+        import torch
+        import torch.distributed as dist
+
+        pending = []
+        if data is not None:
+            length = torch.tensor([len(data)], dtype=torch.int64)
+            pending.append(dist.isend(length, self.send_to, group=self.group))
+            if data:
+                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                pending.append(dist.isend(payload, self.send_to, group=self.group))
+        received = None
+        if receive:
+            announced = torch.empty(1, dtype=torch.int64)
+            dist.recv(announced, self.receive_from, group=self.group)
+            length = int(announced.item())
+            if length != size if size is not None else not 0 <= length <= _MAX_LIST_BYTES:
+                raise CorruptError(f"rank {self.receive_from} announced a message of {length} bytes")
+            payload = torch.empty(length, dtype=torch.uint8)
+            if length:
+                dist.recv(payload, self.receive_from, group=self.group)
+            received = payload.numpy().tobytes()
+        for work in pending:
+            work.wait()
+        return received
