@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nnodes 2 --node_rank N --nproc_per_node 1 \\
         --master_addr 127.0.0.1 --master_port P tests/replica_worker.py ROOT RESULT
 
-Two torchrun agents stand for two nodes: each rank's node is its agent's (``GROUP_RANK``).
+Two torchrun agents stand for two nodes: each rank's node is its agent's (``GROUP_RANK``);
+one agent of two ranks is one node, where there is no peer to copy to.
 Every rank commits steps 1 (blocking), 2 (the same state again: nothing new to copy) and 3
 (non-blocking) with ``replicas=1`` into its node's tier in front of one store, then writes
 what its tier holds and what replication moved to ``RESULT.<rank>.json``.
@@ -50,8 +51,9 @@ def main(root: Path, result: str) -> None:
     seen["own_share"] = {step: read_share(local, step, rank) for step in (1, 2, 3)}
     seen["held_for_peer"] = {}
     for step in (1, 2, 3):
-        held = json.loads(local.get(replicas_name(step, other)))
-        seen["held_for_peer"][step] = {name: local.exists(name) for name in held}
+        if local.exists(replicas_name(step, other)):
+            held = json.loads(local.get(replicas_name(step, other)))
+            seen["held_for_peer"][step] = {name: local.exists(name) for name in held}
     destroy_engine(engine)
     store.close()
     Path(f"{result}.{rank}.json").write_text(json.dumps(seen))

@@ -80,6 +80,20 @@ def test_a_step_of_unchanged_state_moves_no_bytes_and_a_new_one_only_its_new_pac
         assert 0 < moved["3"]["sent"] <= sum(seen["own_share"]["3"].values())
 
 
+def test_on_one_node_nothing_is_copied_and_no_step_is_called_replicated(tmp_path):
+    result = tmp_path / "result"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(WORKER), str(tmp_path), str(result)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "copied nowhere" in proc.stderr
+    for rank in (0, 1):
+        seen = json.loads(Path(f"{result}.{rank}.json").read_text())
+        assert seen["replicated"] == [] and seen["moved"] == {} and seen["held_for_peer"] == {}
+
+
 def test_peers_are_the_same_local_rank_on_the_next_nodes_of_a_ring():
     nodes = ["a", "a", "b", "b", "c", "c"]
     assert Peers.of(nodes, 1, 1) == Peers(send_to=[3], receive_from=[5])

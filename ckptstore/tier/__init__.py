@@ -135,6 +135,13 @@ class Tier:
                 nodes: list = [None] * size
                 dist.all_gather_object(nodes, node_name(), group=group)
                 self._peers = Peers.of(nodes, rank, self.replicas)
+                if not self._peers.send_to:
+                    log.warning(
+                        "ckptstore: replicas=%d, but no other node of the job has a rank %d's peer: "
+                        "its commits are copied nowhere", self.replicas, rank,
+                    )  # fmt: skip
+            if not self._peers.send_to:
+                return None  # one node: nothing is marked replicated that has no copy
             from .upload import read_share
 
             report = replicate(self.local, step, rank, read_share(self.local, step, rank), self._peers, group)
