@@ -44,6 +44,8 @@ def main(root: Path, result: str) -> None:
     store.wait()
     local = store.tier.local
     seen = {"node": node, "replicated": sorted(store.tier.replicated()), "errors": store.tier.replica_errors}
+    seen["pending"] = {p.step: p.replicated for p in store.pending()}
+    seen["locations"] = store.locations()
     seen["moved"] = {
         step: {"sent": report.sent_bytes, "received": report.received_bytes, "objects": report.sent_objects}
         for step, report in store.tier.replica_reports.items()

@@ -65,6 +65,9 @@ def test_each_nodes_tier_holds_the_other_nodes_share_of_every_step(replicated_jo
         peer = replicated_job[1 - rank]
         assert seen["node"] == str(rank)
         assert seen["errors"] == {} and seen["replicated"] == [1, 2, 3]
+        # not uploaded yet (local_upload="drain"), and said to be on a peer too
+        assert seen["pending"] == {"1": True, "2": True, "3": True}
+        assert seen["locations"] == {"1": "local+peer", "2": "local+peer", "3": "local+peer"}
         for step in ("1", "2", "3"):
             held = seen["held_for_peer"][step]
             assert sorted(held) == sorted(peer["own_share"][step]), step  # the peer's whole share
@@ -92,6 +95,7 @@ def test_on_one_node_nothing_is_copied_and_no_step_is_called_replicated(tmp_path
     for rank in (0, 1):
         seen = json.loads(Path(f"{result}.{rank}.json").read_text())
         assert seen["replicated"] == [] and seen["moved"] == {} and seen["held_for_peer"] == {}
+        assert set(seen["pending"].values()) == {False} and set(seen["locations"].values()) == {"local"}
 
 
 def test_peers_are_the_same_local_rank_on_the_next_nodes_of_a_ring():

@@ -51,6 +51,7 @@ class PendingStep:
     step: int
     bytes: int  # stored bytes of every object it names (what an upload reads at most)
     error: str | None = None  # why its last upload failed; None if none was tried or it is under way
+    replicated: bool = False  # every share this node committed of it is in its peers' tiers too
 
 
 @dataclass
@@ -153,10 +154,10 @@ class Tier:
         return report
 
     def replicated(self) -> set[int]:
-        """The steps whose share of this rank every peer holds."""
-        from ..commit import ranks
+        """The steps whose every share this node committed its peers hold (``replicas``)."""
+        from .upload import share_lists
 
-        return replicated_steps(self.local, ranks.world()[0])
+        return replicated_steps(self.local, share_lists(self.local))
 
     def wait_for_room(self) -> None:
         """Return once the steps not uploaded yet take at most ``max_bytes`` (at once when
@@ -204,10 +205,14 @@ class Tier:
         return failed
 
     def locations(self) -> dict[int, str]:
-        """Every step this node's tier knows of -> ``"local"`` (not uploaded yet), ``"both"``
-        (uploaded, still held here). Steps only the remote holds are not named."""
-        done = uploaded_steps(self.local)
-        return {step: "both" if step in done else "local" for step in local_steps(self.local)}
+        """Every step this node's tier knows of -> ``"local"`` (not uploaded yet), ``"local+peer"``
+        (not uploaded yet, copied into the peers' tiers: ``replicas``), ``"both"`` (uploaded,
+        still held here). Steps only the remote holds are not named."""
+        done, copied = uploaded_steps(self.local), self.replicated()
+        return {
+            step: "both" if step in done else "local+peer" if step in copied else "local"
+            for step in local_steps(self.local)
+        }
 
     def pending(self) -> list[PendingStep]:
         """The steps not in the remote store yet, oldest first, with their size and last error."""
@@ -219,7 +224,11 @@ class Tier:
         for step, rank in pending_shares(self.local):  # a node whose tier lacks the manifest
             if step not in sizes:
                 sizes[step] = sum(read_share(self.local, step, rank).values())
-        return [PendingStep(step, size, self._errors.get(step)) for step, size in sorted(sizes.items())]
+        copied = self.replicated()
+        return [
+            PendingStep(step, size, self._errors.get(step), step in copied)
+            for step, size in sorted(sizes.items())
+        ]
 
     def drain(
         self, timeout: float | None = None, *, progress: Callable[[int], None] | None = None

@@ -130,14 +130,18 @@ def replicate(
     return report
 
 
-def replicated_steps(local: ObjectStore, rank: int) -> set[int]:
-    """The steps whose share of ``rank`` this tier marked replicated."""
-    steps = set()
+def replicated_steps(local: ObjectStore, shares: list[tuple[int, int]]) -> set[int]:
+    """The steps of which this node's tier marked every share it lists (``shares``:
+    ``(step, rank)``) replicated: every rank of the node that committed it has its copies."""
+    marked = set()
     for info in local.list(REPLICATED):
-        step, _, who = info.name[len(REPLICATED) :].partition("/")
-        if who == str(rank) and (number := layout.parse_number(step)) is not None:
-            steps.add(number)
-    return steps
+        step, _, rank = info.name[len(REPLICATED) :].partition("/")
+        if (number := layout.parse_number(step)) is not None and (
+            who := layout.parse_number(rank)
+        ) is not None:
+            marked.add((number, who))
+    steps = {step for step, _ in shares}
+    return {step for step in steps if all((s, rank) in marked for s, rank in shares if s == step)}
 
 
 def _names(data: bytes, sender: str) -> dict[str, int] | list[str]:

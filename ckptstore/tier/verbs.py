@@ -31,13 +31,15 @@ class TierVerbs:
     @while_open
     def pending(self) -> list[PendingStep]:
         """The steps committed to the local tier that the store does not have yet, oldest
-        first, with their bytes and why their last upload failed; [] without a local tier."""
+        first, with their bytes, why their last upload failed and whether the peers' tiers
+        hold them too (``replicas``); [] without a local tier."""
         return self.tier.pending() if self.tier is not None else []
 
     @while_open
     def locations(self) -> dict[int, str]:
-        """Where each step is: ``"local"`` (only in this node's tier), ``"both"``, or
-        ``"store"`` (only in the store). Every step is ``"store"`` without a local tier."""
+        """Where each step is: ``"local"`` (only in this node's tier), ``"local+peer"`` (and
+        in its peers' tiers, ``replicas``), ``"both"``, or ``"store"`` (only in the store).
+        Every step is ``"store"`` without a local tier."""
         here = self.tier.locations() if self.tier is not None else {}
         return {step: here.get(step, "store") for step in self.steps()}
 
