@@ -105,9 +105,8 @@ def open(  # noqa: A001 - the public name
     tiered, tier = _open_tier(
         objects, local, endpoint_url, offline=offline,
         keep=knobs.local_keep() if local_keep is None else local_keep,
-        max_bytes=knobs.local_max_bytes() if local_max_bytes is None else local_max_bytes,
+        max_bytes=knobs.local_max_bytes() if local_max_bytes is None else local_max_bytes, replicas=replicas,
     )  # fmt: skip
-    tier.replicas = replicas
     store = Store(tiered, catalog_file.open_catalog(tiered), tier=tier)
     upload = knobs.local_upload() if local_upload is None else local_upload
     if upload not in ("background", "drain"):
@@ -206,6 +205,7 @@ def _open_tier(
     *,
     keep: Any,
     max_bytes: Any,
+    replicas: int = 0,
     offline: bool = False,
 ) -> tuple[TieredObjectStore, Tier]:
     """The local tier at ``path`` in front of ``remote``, paired with it."""
@@ -224,7 +224,7 @@ def _open_tier(
         )
     pair(local, remote.uri, endpoint_url)
     ensure_config(local, create=True)
-    tier = Tier(local, remote, keep=keep, max_bytes=max_bytes, remote_checked=not offline)
+    tier = Tier(local, remote, keep=keep, max_bytes=max_bytes, remote_checked=not offline, replicas=replicas)
     tiered = TieredObjectStore(local, remote, offline=offline)
     tiered.content_hash = remote.content_hash
     return tiered, tier

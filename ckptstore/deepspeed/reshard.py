@@ -122,14 +122,15 @@ class Relayout:
     def fragments(self, name: str, kind: str) -> list[tuple[int, torch.Tensor]]:
         if name not in self.reordered:
             return self._source.fragments(name, kind)
-        if not self._source.fragments(name, kind):
+        fragments = self._source.fragments(name, kind)
+        if not fragments:
             return []
         if kind != WEIGHT:
             return [(0, self._whole(name, kind))]
         # Module weights are stored only where they are not the fp32 master cast down: the
         # whole weight is that cast, overlaid with them, before it is reordered.
         weight = self._source(name, FP32).reshape(-1).to(DTYPES[self._stored[name]["dtype"]])
-        for start, fragment in self._source.fragments(name, kind):
+        for start, fragment in fragments:
             weight[start : start + fragment.numel()] = fragment.reshape(-1)
         logical = tensorsplit.to_logical(weight, self._stored[name])
         return [(0, tensorsplit.from_logical(logical, self._target[name]))]

@@ -29,6 +29,8 @@ from .upload import (
     local_steps,
     pending_shares,
     pending_steps,
+    read_share,
+    share_lists,
     upload_share,
     upload_step,
     uploaded_steps,
@@ -143,8 +145,6 @@ class Tier:
                     )  # fmt: skip
             if not self._peers.send_to:
                 return None  # one node: nothing is marked replicated that has no copy
-            from .upload import read_share
-
             report = replicate(self.local, step, rank, read_share(self.local, step, rank), self._peers, group)
         except Exception as exc:  # the step is committed; only its copies are missing
             self.replica_errors[step] = str(exc)
@@ -155,8 +155,6 @@ class Tier:
 
     def replicated(self) -> set[int]:
         """The steps whose every share this node committed its peers hold (``replicas``)."""
-        from .upload import share_lists
-
         return replicated_steps(self.local, share_lists(self.local))
 
     def wait_for_room(self) -> None:
@@ -216,7 +214,7 @@ class Tier:
 
     def pending(self) -> list[PendingStep]:
         """The steps not in the remote store yet, oldest first, with their size and last error."""
-        from .upload import object_names, read_local_manifest, read_share
+        from .upload import object_names, read_local_manifest
 
         sizes: dict[int, int] = {}
         for step in pending_steps(self.local):

@@ -108,7 +108,7 @@ def replicate(
         ):
             raise CorruptError(f"rank {receive_from} sent a share without the size of each object")
         wanted = [name for name in theirs if not local.exists(name)]
-        asked = [name for name in _names(link.exchange(json.dumps(wanted).encode()), f"rank {send_to}")]
+        asked = list(_names(link.exchange(json.dumps(wanted).encode()), f"rank {send_to}"))
         if not set(asked) <= set(share):
             raise CorruptError(f"rank {send_to} asked for objects not in step {step}'s share of rank {rank}")
         for i in range(max(len(asked), len(wanted))):
@@ -122,9 +122,8 @@ def replicate(
                 local.put_if_absent(wanted[i], received)
                 report.received_objects += 1
                 report.received_bytes += len(received)
-        kept = {name: theirs[name] for name in theirs}
         local.delete(replicas_name(step, receive_from))  # a failed try of the same step may have left one
-        local.put_if_absent(replicas_name(step, receive_from), json.dumps(kept, sort_keys=True).encode())
+        local.put_if_absent(replicas_name(step, receive_from), json.dumps(theirs, sort_keys=True).encode())
         link.exchange(b"durable")  # said once the replicas (and their list) are durable here
     local.put_if_absent(replicated_name(step, rank), b"")
     return report
