@@ -87,17 +87,17 @@ def open(  # noqa: A001 - the public name
     local = knobs.local_tier() if local is None else check_path(local, "local")
     content_hash = content_hash_for(key)
     offline = False
+    replicas = (
+        knobs.replicas() if replicas is None else require_int(replicas, "replicas", minimum=0, maximum=1000)
+    )
     try:
         objects = _open_objects(
             uri, create=create, endpoint_url=endpoint_url, s3_timeout=s3_timeout, content_hash=content_hash
         )
     except StorageError as exc:
-        objects = _unreachable_remote(uri, local, endpoint_url, exc, s3_timeout)
+        objects = _unreachable_remote(uri, local, endpoint_url, exc, s3_timeout, fresh=bool(replicas))
         objects.content_hash = content_hash
         offline = True
-    replicas = (
-        knobs.replicas() if replicas is None else require_int(replicas, "replicas", minimum=0, maximum=1000)
-    )
     if not local:
         if replicas:
             raise BadInputError("replicas= copies commits between nodes' local tiers: open with local= too")
@@ -180,22 +180,34 @@ def _unreachable_remote(
     endpoint_url: str | None,
     error: StorageError,
     s3_timeout: float | None,
+    *,
+    fresh: bool = False,
 ) -> ObjectStore:
     """The store at ``uri``, unchecked, when it cannot be reached but the local tier ``local``
-    has fronted it before (training goes on into the tier); else ``error`` is raised."""
+    has fronted it before (training goes on into the tier), or is new and ``fresh`` allows it
+    (a replaced node of a job with replicas: its peers' tiers hold what it restores); else
+    ``error`` is raised."""
     if not (local and error.transient):
         raise error
     remote = open_objects(os.fspath(uri), endpoint_url=endpoint_url, check=False, s3_timeout=s3_timeout)
     try:
         fronted, _ = paired_remote(LocalObjectStore(local, create=False))
     except CkptStoreError:
-        raise error from None
+        if not (fresh and _is_empty(local)):
+            raise error from None
+        fronted = remote.uri
     if fronted != remote.uri:
         raise error
     log.warning(
         "ckptstore: %s cannot be reached (%s); committing to the local tier %s", remote.uri, error, local
     )
     return remote
+
+
+def _is_empty(path: str) -> bool:
+    """Whether ``path`` is no directory yet, or an empty one."""
+    folder = Path(path).expanduser()
+    return not folder.exists() or (folder.is_dir() and not any(folder.iterdir()))
 
 
 def _open_tier(

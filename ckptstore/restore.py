@@ -15,6 +15,7 @@ naming it, before the engine is touched; (3) DeepSpeed loads.
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from .arguments import check_engine, check_step
@@ -28,6 +29,9 @@ from .objects import ObjectStore
 
 if TYPE_CHECKING:
     from .deepspeed.load import RankShare
+    from .tier.recover import Recovery
+
+log = logging.getLogger("ckptstore")
 
 # What a failed read leaves, said in the error. At ZeRO 1/2 restore decodes straight into the
 # engine's own fp32 masters first, then its optimizer state, deriving the module weights from
@@ -50,11 +54,14 @@ def restore(
     step: int | None = None,
     *,
     spec: compose.Spec | None = None,
+    recovery: Recovery | None = None,
     **options: bool,
 ) -> tuple[int, dict | None]:
     """Load ``step`` (default: the newest; or a compose ``spec``) into ``engine``, as
     ``Store.restore`` documents, with ``options`` (``load_optimizer_states``,
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
+    ``recovery``: read what this node's tier lacks from the job's other tiers first
+    (``tier.recover``; the newest step is then the newest the job can assemble).
     Returns ``(step, client_state)``. BadInputError for a step outside 0..2**63-1 or what is
     no DeepSpeed engine."""
     from .deepspeed.extract import optimizer_flavour
@@ -71,23 +78,30 @@ def restore(
             return newest
         return compose.step_or_spec(step, spec, catalog, "restore")[0]
 
-    chosen = ranks.on_every_rank("restore", choose)[0]  # rank 0's answer, for every rank
+    if recovery is not None:
+        recovery.share_manifests("restore")
+    if recovery is not None and spec is None and step is None:
+        chosen = recovery.newest("restore", lambda newest: _step_objects(objects, catalog, newest))
+    else:
+        chosen = ranks.on_every_rank("restore", choose)[0]  # rank 0's answer, for every rank
     what = f"restore of step {chosen}"
     flavour = optimizer_flavour(engine)
     written = [False]  # whether this rank has written into the engine's own tensors
 
-    def first_phase() -> RankShare:  # the masters alone where the weights overlap the rest
-        share = _plan(objects, catalog, engine, flavour, chosen, spec, options)
+    def first_phase(share: RankShare) -> None:  # the masters alone where the weights overlap the rest
         written[0] = share.in_place
         if not objects.reads_are_local:
             # Across a network every kind is read in one pass, so that each pack's entries
             # come in one request: a pass per kind would fetch every pack once per pass.
             share.overlaps = False
         share.fill((lambda kind: kind == FP32) if share.overlaps else (lambda kind: True))
-        return share
 
     try:
-        share = ranks.each_rank(what, first_phase)
+        share = ranks.each_rank(what, lambda: _plan(objects, catalog, engine, flavour, chosen, spec, options))
+        if recovery is not None:
+            recovery.fetch(chosen, ranks.each_rank(what, share.objects))
+            log.info("ckptstore: restore of %s", recovery.sources.describe())
+        ranks.each_rank(what, lambda: first_phase(share))
     except CkptStoreError as exc:
         raise type(exc)(f"{exc} ({_MASTERS if written[0] else _UNCHANGED})") from None
     module_weights = None
@@ -118,6 +132,11 @@ def restore(
             "the engine may be partly restored: restore again or rebuild it"
         ) from exc
     return chosen, client_state
+
+
+def _step_objects(objects: ObjectStore, catalog: Catalog, step: int) -> dict[str, int]:
+    """Every stored object ``step`` reads (name -> stored size)."""
+    return step_reader(objects, catalog, step, json.loads(catalog.description(step))).objects()
 
 
 def _plan(

@@ -290,10 +290,15 @@ class Store(TierVerbs):
         WeightsOnlyError, CorruptError, BadInputError (a bad spec, an engine of another ZeRO
         stage or optimizer).
         """
-        return restore_engine(
-            self.objects, self.catalog, engine, step, spec=spec, load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        recovery = self.tier.recovery(self.objects, self.catalog) if self.tier is not None else None
+        restored = restore_engine(
+            self.objects, self.catalog, engine, step, spec=spec, recovery=recovery,
+            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
         )  # fmt: skip
+        if recovery is not None:
+            self.tier.restored_from = recovery.sources
+        return restored
 
     @while_open
     def verify(self, *, deep: bool = True, quarantine: bool = False) -> VerifyReport:

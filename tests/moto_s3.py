@@ -53,18 +53,20 @@ class S3:
         return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
 
+# Fake credentials, isolated from the host's AWS config (children of a test take them in their env).
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": "/nonexistent/aws-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
+}
+
+
 def s3_environment(monkeypatch, endpoint: str, cache) -> None:
     """Credentials and endpoint for the loopback server, isolated from the host's AWS config."""
-    for name, value in {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": "/nonexistent/aws-config",
-        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/aws-credentials",
-        "CKPTSTORE_CACHE": str(cache),
-    }.items():
+    for name, value in {**S3_ENV, "AWS_ENDPOINT_URL": endpoint, "CKPTSTORE_CACHE": str(cache)}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)

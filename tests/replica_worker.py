@@ -1,13 +1,19 @@
 """One rank of a job spread over two nodes, each with its own local tier, run by tests/test_replicas.py.
 
     python -m torch.distributed.run --nnodes 2 --node_rank N --nproc_per_node 1 \\
-        --master_addr 127.0.0.1 --master_port P tests/replica_worker.py ROOT RESULT
+        --master_addr 127.0.0.1 --master_port P tests/replica_worker.py MODE ROOT RESULT
 
 Two torchrun agents stand for two nodes: each rank's node is its agent's (``GROUP_RANK``);
-one agent of two ranks is one node, where there is no peer to copy to.
-Every rank commits steps 1 (blocking), 2 (the same state again: nothing new to copy) and 3
-(non-blocking) with ``replicas=1`` into its node's tier in front of one store, then writes
-what its tier holds and what replication moved to ``RESULT.<rank>.json``.
+one agent of two ranks is one node, where there is no peer to copy to. Each rank writes
+what it saw to ``RESULT.<rank>.json``. Modes:
+
+* ``replicate``: commit steps 1 (blocking), 2 (the same state again: nothing new to copy) and
+  3 (non-blocking) with ``replicas=1`` into each node's tier in front of one store.
+* ``commit``: the same in front of the S3 store ``$CKPTSTORE_STORE``: steps 1 and 2, uploaded
+  (``drain``), then 3 (non-blocking) and 4, replicated and never uploaded; then two more
+  training steps (the run that never stopped), and every rank SIGKILLs itself.
+* ``restore``: a restarted job: restore the newest step it can, say where the bytes came from,
+  train the same two steps.
 """
 
 from __future__ import annotations
@@ -21,18 +27,111 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.engines import batches, build_engine, destroy_engine, train  # noqa: E402
 
 
-def main(root: Path, result: str) -> None:
+def state_digest(engine) -> str:
+    """A hash of everything a restore puts back into a ZeRO-1/2 engine: module weights, fp32
+    masters and optimizer state, in parameter order."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+
+    def add(tensor) -> None:
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    for name, tensor in sorted(engine.module.state_dict().items()):
+        digest.update(name.encode())
+        add(tensor)
+    optimizer = engine.optimizer
+    for master in optimizer.single_partition_of_fp32_groups:
+        add(master)
+    for group in optimizer.optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in sorted(optimizer.optimizer.state.get(param, {}).items()):
+                digest.update(key.encode())
+                add(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+    return digest.hexdigest()
+
+
+def open_node_store(root: Path, uri):
+    """This node's store: ``uri`` behind its own tier (``nvme-node<N>``) and catalog cache."""
+    import os
+
+    import ckptstore
+
+    node = os.environ["GROUP_RANK"]
+    os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-node{node}")
+    return ckptstore.open(uri, local=root / f"nvme-node{node}", local_upload="drain", replicas=1)
+
+
+def commit(root: Path, result: str) -> None:
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    store = open_node_store(root, os.environ["CKPTSTORE_STORE"])
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    data = batches(6)
+    train(engine, data[:1])
+    store.commit(engine, 1)
+    train(engine, data[1:2])
+    store.commit(engine, 2)
+    store.drain()
+    train(engine, data[2:3])
+    store.commit(engine, 3, blocking=False)
+    train(engine, data[3:4])
+    store.commit(engine, 4)
+    store.wait()
+    seen = {"replicated": sorted(store.tier.replicated()), "pending": [p.step for p in store.pending()]}
+    seen["digest"] = state_digest(engine)
+    seen["losses"] = train(engine, data[4:6])
+    Path(f"{result}.{dist.get_rank()}.json").write_text(json.dumps(seen))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)  # both nodes die: nothing closes, nothing uploads
+
+
+def restore(root: Path, result: str) -> None:
+    import dataclasses
     import os
 
     import torch.distributed as dist
 
-    import ckptstore
+    from ckptstore.tier.upload import read_share
+
+    store = open_node_store(root, os.environ["CKPTSTORE_STORE"])
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=7, num_layers=2)
+    step, _ = store.restore(engine)
+    rank = dist.get_rank()
+    seen = {
+        "step": step,
+        "digest": state_digest(engine),
+        "sources": dataclasses.asdict(store.tier.restored_from),
+    }
+    seen["losses"] = train(engine, batches(6)[4:6])
+    local = store.tier.local
+    # A replaced node holds its own share of the steps not uploaded again, so its uploads go on.
+    seen["own_shares"] = {
+        s: all(local.exists(name) for name in read_share(local, s, rank))
+        for s in (3, 4)
+        if local.exists(f"tier/shares/{s:012d}/{rank}.json")
+    }
+    destroy_engine(engine)
+    store.close()
+    Path(f"{result}.{rank}.json").write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+def replicate(root: Path, result: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
     from ckptstore.tier.replicas import replicas_name
     from ckptstore.tier.upload import read_share
 
     node = os.environ["GROUP_RANK"]
-    os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-node{node}")
-    store = ckptstore.open(root / "store", local=root / f"nvme-node{node}", local_upload="drain", replicas=1)
+    store = open_node_store(root, root / "store")
     engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
     rank, other = dist.get_rank(), 1 - dist.get_rank()
     data = batches(3)
@@ -63,4 +162,6 @@ def main(root: Path, result: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    {"replicate": replicate, "commit": commit, "restore": restore}[sys.argv[1]](
+        Path(sys.argv[2]), sys.argv[3]
+    )

@@ -70,6 +70,19 @@ def test_counters_count_body_bytes_per_direction(proxy, s3):
     assert len(body) <= proxy.bytes_down < len(body) + HEADERS
 
 
+def test_requests_lists_each_http_request_sent_through_it_once(proxy, s3):
+    client = client_via(proxy)
+    body = os.urandom(300_000)  # many chunks: a request line is found whichever chunk it ends in
+    client.put_object(Bucket=s3.bucket, Key="packs/ab/k", Body=body)
+    client.get_object(Bucket=s3.bucket, Key="packs/ab/k")["Body"].read()
+    client.head_object(Bucket=s3.bucket, Key="packs/ab/k")
+    assert proxy.requests[-3:] == [
+        f"PUT /{s3.bucket}/packs/ab/k", f"GET /{s3.bucket}/packs/ab/k", f"HEAD /{s3.bucket}/packs/ab/k"
+    ]  # fmt: skip
+    proxy.reset_counters()
+    assert proxy.requests == []
+
+
 def test_cut_makes_calls_fail_with_a_connection_error_and_restore_heals(proxy, s3):
     client = client_via(proxy)
     client.put_object(Bucket=s3.bucket, Key="k", Body=b"before")  # a pooled keep-alive connection

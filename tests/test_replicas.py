@@ -5,53 +5,39 @@ each, each node its own tier directory in front of one store.
 """
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 import ckptstore
-from ckptstore.errors import BadInputError
-from ckptstore.tier.replicas import Peers
-from tools.engines import free_port
+from ckptstore.errors import BadInputError, StorageError
+from ckptstore.format import pack
+from ckptstore.format.layout import file_name, pack_name
+from ckptstore.objects.tiered import share_name
+from ckptstore.tier.recover import intact
+from ckptstore.tier.replicas import Peers, replicas_name
+from tests.moto_s3 import S3_ENV
+from tools.engines import free_port, two_node_agents
+from tools.netproxy import Proxy
 
 WORKER = Path(__file__).with_name("replica_worker.py")
 
 
-def two_nodes(root: Path) -> list[dict]:
-    """Run the worker as two agents of one rank each (node ranks 0 and 1); each rank's observations."""
-    port = free_port()
-    result = root / "result"
-    agents = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "1",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                str(WORKER),
-                str(root),
-                str(result),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
-    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-5000:]
+def two_nodes(
+    root: Path, mode: str = "replicate", env: dict | None = None, killed: bool = False
+) -> list[dict]:
+    """Run the worker as two nodes of one rank each (``two_node_agents``); each rank's
+    observations. ``killed``: the ranks SIGKILL themselves (the agents fail)."""
+    result = root / f"result-{mode}"
+    agents = two_node_agents([str(WORKER), mode, str(root), str(result)], env, timeout=600)
+    failed = [output[-4000:] for code, output in agents if (code != 0) != killed]
+    assert not failed, "\n".join(failed)
     return [json.loads(Path(f"{result}.{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -87,7 +73,7 @@ def test_on_one_node_nothing_is_copied_and_no_step_is_called_replicated(tmp_path
     result = tmp_path / "result"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(WORKER), str(tmp_path), str(result)],
+         str(WORKER), "replicate", str(tmp_path), str(result)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -109,3 +95,89 @@ def test_peers_are_the_same_local_rank_on_the_next_nodes_of_a_ring():
 def test_replicas_need_a_local_tier(tmp_path):
     with pytest.raises(BadInputError, match="local="):
         ckptstore.open(tmp_path / "store", replicas=1)
+
+
+@pytest.fixture(scope="module")
+def recovered_job(tmp_path_factory, s3_server) -> dict:
+    """Acceptance 1 and 2 of peer recovery, through a proxy that counts S3 requests: two nodes
+    commit steps 1-2 (uploaded) and 3-4 (replicated only) and are SIGKILLed; node 1's tier is
+    deleted (a replaced node) and the job restores; then both tiers are deleted and it restores."""
+    endpoint, admin = s3_server
+    root = tmp_path_factory.mktemp("recovery")
+    bucket = f"recovery-{uuid.uuid4().hex[:12]}"
+    admin.create_bucket(Bucket=bucket)
+    with Proxy.for_endpoint(endpoint) as proxy:
+        env = {
+            **os.environ,
+            **S3_ENV,
+            "AWS_ENDPOINT_URL": proxy.endpoint,
+            "CKPTSTORE_STORE": f"s3://{bucket}/run",
+        }
+        seen = {"before": two_nodes(root, "commit", env, killed=True)}
+        shutil.rmtree(root / "nvme-node1")
+        shutil.rmtree(root / "cache-node1", ignore_errors=True)
+        proxy.reset_counters()
+        seen["replaced"] = two_nodes(root, "restore", env)
+        seen["replaced_requests"] = list(proxy.requests)
+        for node in (0, 1):
+            shutil.rmtree(root / f"nvme-node{node}")
+            shutil.rmtree(root / f"cache-node{node}", ignore_errors=True)
+        seen["both_lost"] = two_nodes(root, "restore", env)
+    return seen
+
+
+def test_a_replaced_node_restores_the_newest_step_from_its_peer_with_no_pack_read_from_s3(recovered_job):
+    before, after = recovered_job["before"], recovered_job["replaced"]
+    assert [seen["pending"] for seen in before] == [[3, 4], [3, 4]]
+    assert [seen["replicated"] for seen in before] == [[1, 2, 3, 4], [1, 2, 3, 4]]
+    for rank in (0, 1):
+        assert after[rank]["step"] == 4
+        assert after[rank]["digest"] == before[rank]["digest"]  # every tensor the step holds
+        assert after[rank]["losses"] == before[rank]["losses"]  # as if it never stopped
+    node0, node1 = (seen["sources"] for seen in after)
+    assert node0["peers"] == {} and node0["remote"] == 0 and node0["tier"] > 0
+    assert node1["tier"] == 0 and node1["remote"] == 0 and node1["corrupt"] == []
+    assert list(node1["peers"]) == ["0"] and node1["peers"]["0"] > 0  # all of it from node 0's replicas
+    # Its own shares of the steps not uploaded are back in its tier, so that they upload later.
+    assert after[1]["own_shares"] == {"3": True, "4": True}
+    packs_read = [
+        line for line in recovered_job["replaced_requests"] if line.startswith("GET") and "/packs/" in line
+    ]
+    assert packs_read == []
+    assert any("list-type" in line for line in recovered_job["replaced_requests"])  # S3 was there, listed
+
+
+def test_with_both_tiers_lost_the_job_restores_the_newest_uploaded_step_from_s3(recovered_job):
+    for seen in recovered_job["both_lost"]:
+        assert seen["step"] == 2
+        assert (
+            seen["sources"]["tier"] == 0 and seen["sources"]["peers"] == {} and seen["sources"]["remote"] > 0
+        )
+
+
+def test_a_fresh_tier_opens_before_an_unreachable_store_only_for_a_job_with_replicas(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CKPTSTORE_S3_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("CKPTSTORE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(StorageError):
+        ckptstore.open("s3://bucket/run", local=tmp_path / "new-tier")
+    store = ckptstore.open("s3://bucket/run", local=tmp_path / "replaced-node", replicas=1)
+    assert store.tier.local.exists("tier/remote.json") and store.steps() == []
+    store.close()
+
+
+def test_a_peers_object_is_taken_only_if_it_hashes_to_its_name(tmp_path):
+    objects = ckptstore.open(tmp_path / "store").objects
+    key, parts, _ = pack.encode_parts([("w", "fp32", 0, torch.arange(8.0))])
+    data = b"".join(bytes(part) for part in parts)
+    name = pack_name(key)
+    assert intact(name, name, data, objects) is None
+    damaged = bytearray(data)
+    damaged[-3] ^= 0xFF
+    assert "corrupt" in intact(name, name, bytes(damaged), objects)
+    assert "corrupt" in intact(file_name("0" * 32), file_name("0" * 32), b"not it", objects)
+    share = json.dumps({name: len(data)}).encode()
+    assert intact(share_name(4, 1), replicas_name(4, 1), share, objects) is None  # a replica record
+    assert "corrupt" in intact(share_name(4, 1), replicas_name(4, 1), b'{"/etc/passwd": 1}', objects)

@@ -73,6 +73,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def two_node_agents(
+    script: list[str], env: dict | None = None, timeout: float | None = None
+) -> list[tuple[int, str]]:
+    """Run ``script`` (a script's path and its arguments) under two torchrun agents of one rank
+    each on this machine, standing for two nodes (``--nnodes 2``, node ranks 0 and 1); each
+    agent's exit code and output, once both ended (subprocess.TimeoutExpired past ``timeout``
+    seconds, both killed)."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                *script,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()  # a hung job: none outlives the caller
+    return [(agent.returncode, output) for agent, output in zip(agents, outputs, strict=True)]
+
+
 def setup_single_process_env() -> None:
     """Environment for a 1-rank CPU DeepSpeed job. Never overrides values already set (e.g. by
     torch.distributed.run / the deepspeed launcher)."""

@@ -154,6 +154,7 @@ class _Connection:
         self.dead = False
         self._lock = threading.Lock()
         self._running = 2
+        self._seen = b""  # the last bytes sent up, where a request line may have begun
 
     def kill(self) -> None:
         # Under the lock, so a socket is never shut down while _done closes it: a closed
@@ -208,6 +209,8 @@ class _Connection:
                     break
                 dst.sendall(data)
                 self.proxy._count(direction, len(data))
+                if direction == "up":
+                    self._seen = self.proxy._note_requests(self._seen, data)
         except OSError:
             self.kill()
         finally:
@@ -232,7 +235,7 @@ class Proxy:
     ``start()`` binds and returns once connections are accepted; ``stop()`` resets every open
     connection and returns once every thread of the proxy has ended. Usable as a context manager.
     ``bytes_up`` / ``bytes_down`` count bytes delivered client->server / server->client (HTTP
-    headers included).
+    headers included); ``requests`` lists the HTTP requests sent through it, ``"GET /bucket/key"``.
     """
 
     def __init__(
@@ -256,6 +259,7 @@ class Proxy:
         self._cut = False
         self.bytes_up = 0
         self.bytes_down = 0
+        self.requests: list[str] = []
 
     @classmethod
     def for_endpoint(cls, endpoint: str, *, rate: float | None = None) -> Proxy:
@@ -340,6 +344,7 @@ class Proxy:
         with self._lock:
             self.bytes_up = 0
             self.bytes_down = 0
+            self.requests = []
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -387,6 +392,18 @@ class Proxy:
         with self._lock:
             self._conns.discard(conn)
 
+    def _note_requests(self, seen: bytes, data: bytes) -> bytes:
+        """Record the HTTP request lines that end in ``data`` (``seen``: the connection's last
+        bytes before it, where a line may have begun); returns the new ``seen``."""
+        buffer = seen + data
+        lines = [
+            f"{m[1].decode()} {m[2].decode()}" for m in _REQUEST_LINE.finditer(buffer) if m.end() > len(seen)
+        ]
+        if lines:
+            with self._lock:
+                self.requests.extend(lines)
+        return buffer[-_LONGEST_LINE:]
+
     def _count(self, direction: str, n: int) -> None:
         with self._lock:
             if direction == "up":
@@ -394,6 +411,10 @@ class Proxy:
             else:
                 self.bytes_down += n
 
+
+# An HTTP/1.x request line, as a client starts each request on a connection.
+_REQUEST_LINE = re.compile(rb"(?:^|\r\n)(GET|PUT|HEAD|POST|DELETE) (/[^ \r\n]*) HTTP/1\.[01]\r\n")
+_LONGEST_LINE = 2048
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1024**2}
 _UNITS |= {"g": 1e9, "gb": 1e9, "gib": 1024**3}

@@ -121,6 +121,11 @@ class RankShare:
             plan(self._spans(skip))
         self._filler.fill_in_memory(self._targets, skip, desc=desc)
 
+    def objects(self) -> dict[str, int]:
+        """The stored objects (name -> stored size) a fill of every kind reads, without reading any."""
+        skip_module = self.skip_module_weights
+        return self._tensors.objects(self._spans(lambda segment: skip_module and segment.kind == MODULE))
+
     def _spans(self, skip: Callable) -> list[tuple[str, str, int, int]]:
         """``(name, kind, lo, hi)``: the stored elements a fill reads, each kind of a parameter
         as one span from its first segment's start to its last one's end (``Filler``'s reads);

@@ -31,6 +31,7 @@ import torch
 from .. import knobs
 from ..errors import CorruptError, NotFoundError, UnsupportedError
 from ..format import codec, pack
+from ..format.layout import blob_name, pack_name
 from ..model import FP32, NUMEL, PACK, START, TENSOR, BlobRow, LayerPacks, PackRef, TensorRow
 from ..objects import ObjectStore
 from .fetch import SharedFetches, entry_in_head, fetch_blob, fetch_pack_head
@@ -124,6 +125,30 @@ class StepReader:
             _, fragments, index = found
             for row in _overlapping(fragments, lo, hi):
                 self._want(index, row, name, kind)
+
+    def objects(self, spans: Iterable[tuple[str, str, int, int]] | None = None) -> dict[str, int]:
+        """The stored objects (name -> stored size) reads of ``spans`` (``plan``'s ranges; None:
+        everything this reader was built for) touch, without reading any: what a restore needs
+        at hand (``tier.recover``)."""
+        if spans is None:
+            found = {pack_name(key): ref.size for key, ref in self._refs.items()}
+            found.update((blob_name(key), self._sizes[key].size) for key in self._where if key in self._sizes)
+            return found
+        found = {}
+        for name, kind, lo, hi in spans:
+            if hi <= lo:
+                continue
+            packed = self._packed.get((name, kind))
+            if packed is not None:
+                _, fragments, index = packed
+                for row in _overlapping(fragments, lo, hi):
+                    ref = index.packs[int(row[PACK])]
+                    found[pack_name(ref.key)] = ref.size
+                continue
+            for row in self.rows.get((name, kind), []):
+                if row.start < hi and row.start + row.numel > lo and row.blob in self._sizes:
+                    found[blob_name(row.blob)] = self._sizes[row.blob].size
+        return found
 
     def _want(self, index: LayerPacks, row: np.ndarray, name: str, kind: str) -> None:
         """Read ahead the fragment ``row`` (of ``kind`` of ``name``) of ``index``."""

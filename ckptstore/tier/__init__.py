@@ -23,6 +23,7 @@ from ..errors import CkptStoreError, NotFoundError, StorageError
 from ..format.config import ensure_config
 from ..objects import ObjectStore
 from .prune import PruneReport, prune
+from .recover import Recovery, Sources
 from .replicas import Peers, ReplicaReport, node_name, replicate, replicated_steps
 from .upload import (
     StepUpload,
@@ -95,6 +96,8 @@ class Tier:
         #: What each replication of this process moved, and why one failed, by step.
         self.replica_reports: dict[int, ReplicaReport] = {}
         self.replica_errors: dict[int, str] = {}
+        #: Where this rank's last restore found the bytes it read (with ``replicas``).
+        self.restored_from: Sources | None = None
         self.remote = remote
         # False when the store was opened while it could not be reached: its config is checked
         # (and, for a new store, written) before the first upload.
@@ -152,6 +155,15 @@ class Tier:
             return None
         self.replica_reports[step] = report
         return report
+
+    def recovery(self, objects: ObjectStore, catalog) -> Recovery | None:
+        """What a restore through this tier reads from the job's other tiers first
+        (``recover``), or None without replicas or other ranks. Collective: every rank calls it."""
+        from ..commit import ranks
+
+        if self.replicas == 0 or ranks.world()[1] == 1:
+            return None
+        return Recovery(self.local, objects, catalog)
 
     def replicated(self) -> set[int]:
         """The steps whose every share this node committed its peers hold (``replicas``)."""

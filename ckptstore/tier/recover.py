@@ -1,0 +1,329 @@
+"""Recovery from peers: a restore takes what this node's tier lacks from the other nodes' tiers.
+
+With replicas (``open(uri, local=PATH, replicas=N)``) every commit's objects are in another
+node's tier too, so a job that restarts, even on a replaced node whose tier is empty, needs
+nothing from the remote store that some node of the job still holds. A restore then runs
+these collective steps, every rank together, before it reads (``Recovery``):
+
+1. ``share_manifests``: each rank says which step manifests its tier holds (and which steps it
+   uploaded, and whose shares it keeps replicas of); each takes the manifests it lacks from a
+   rank that has them, so every node's catalog lists every step any node committed. A rank
+   whose tier lost its own share of a step not uploaded yet takes back its share list from
+   the peer that keeps its replica, so that its uploads go on once it holds them again.
+2. ``newest``: without a step named, the newest step the job can assemble: uploaded, or every
+   object it needs in some rank's tier. A newer one that cannot be is named in a warning.
+3. ``fetch``: each rank names the objects its read needs (and its lost shares) that its tier
+   lacks; a rank that holds one (its own or a replica) sends it over the process group, the
+   first holder after the asking rank in rank order first. The receiver verifies it against
+   its content key (packs, blobs and files; manifests against their tag in a keyed store)
+   before writing it to its tier; a corrupt or missing one is asked of the next holder, then
+   left to the remote store. Where the rank's bytes came from is returned (``Sources``).
+
+Every rank computes the same transfers from what was gathered, and runs them in the same
+order, each a blocking send matched by a receive, so no pair waits on another.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..auxfiles import file_key
+from ..catalog import Catalog, sync
+from ..errors import CkptStoreError, CorruptError, NotFoundError
+from ..format import codec, layout, manifest, pack
+from ..objects import ObjectStore
+from ..objects.tiered import share_name
+from .replicas import REPLICAS, _names, replicas_name
+from .upload import read_share, share_lists, uploaded_name, uploaded_steps
+
+log = logging.getLogger("ckptstore")
+
+_MISSING = "is missing there"
+
+
+@dataclass
+class Sources:
+    """Where one rank's restore of ``step`` found the stored bytes it reads: its own tier, each
+    peer rank (rank -> bytes it sent), or none of them (left to the remote store)."""
+
+    step: int
+    tier: int = 0
+    peers: dict[int, int] = field(default_factory=dict)
+    remote: int = 0
+    #: Objects a peer sent that failed verification (asked of the next source instead).
+    corrupt: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One line: ``step 6: 10 MB from its tier, 20 MB from rank 1, 0 B from the remote``."""
+        parts = [f"{self.tier} B from its tier"]
+        parts += [f"{size} B from rank {rank}'s tier" for rank, size in sorted(self.peers.items())]
+        parts.append(f"{self.remote} B left to the remote store")
+        corrupt = (
+            f"; {len(self.corrupt)} corrupt replicas passed over ({self.corrupt[0]}, ...)"
+            if self.corrupt
+            else ""
+        )
+        return f"step {self.step}: " + ", ".join(parts) + corrupt
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    """One object ``receiver`` lacks: ``name`` at the holders, ``size`` bytes, kept as ``keep_as``."""
+
+    receiver: int
+    name: str
+    size: int
+    keep_as: str
+    holders: tuple[int, ...]
+
+
+class Recovery:
+    """A restore's collective reads from peers (the module's steps), for one rank of the job."""
+
+    def __init__(self, local: ObjectStore, objects: ObjectStore, catalog: Catalog) -> None:
+        from ..commit import ranks
+
+        ranks.use_commit_group()  # p2p on a gloo group of its own, whatever the default one is
+        self.local, self.objects, self.catalog = local, objects, catalog
+        self.rank, self.size = ranks.world()
+        self.group = ranks.commit_group()
+        self._uploaded: set[int] = set()
+        self._tiers_have: set[int] = set()  # steps whose manifest some rank's tier holds
+        self._lost_shares: list[int] = []  # steps of this rank's own share it took back
+        #: Where this rank's read found its bytes (``fetch``).
+        self.sources: Sources | None = None
+
+    def share_manifests(self, what: str) -> None:
+        """Step 1 of the module: every manifest any rank's tier holds, in every rank's tier
+        and catalog; this rank's lost share lists of steps not uploaded, back in its tier."""
+        from ..commit import ranks
+
+        gathered = ranks.on_every_rank(what, self._inventory)
+        self._uploaded = set().union(*(set(inventory["uploaded"]) for inventory in gathered))
+        for step in self._uploaded - uploaded_steps(self.local):
+            self.local.put_if_absent(uploaded_name(step), b"")  # no second upload of it from here
+        manifests: dict[str, tuple[int, list[int]]] = {}
+        for rank, inventory in enumerate(gathered):
+            for name, size in inventory["manifests"].items():
+                manifests.setdefault(name, (size, []))[1].append(rank)
+        self._tiers_have = {layout.parse_manifest_name(name)[0] for name in manifests}
+        transfers = [
+            _Transfer(receiver, name, size, name, tuple(holders))
+            for receiver, inventory in enumerate(gathered)
+            for name, (size, holders) in sorted(manifests.items())
+            if name not in inventory["manifests"]
+        ]
+        lost_steps: dict[int, _Transfer] = {}  # this rank's lost shares, by step
+        for receiver, inventory in enumerate(gathered):
+            own = {tuple(share) for share in inventory["shares"]}
+            lost: dict[tuple[int, int], tuple[int, list[int]]] = {}
+            for rank, other in enumerate(gathered):
+                for step, of, size in other["replicas"]:
+                    if of == receiver and step not in self._uploaded and (step, of) not in own:
+                        lost.setdefault((step, of), (size, []))[1].append(rank)
+            for (step, of), (size, holders) in sorted(lost.items()):
+                transfer = _Transfer(
+                    receiver, replicas_name(step, of), size, share_name(step, of), tuple(holders)
+                )
+                transfers.append(transfer)
+                if receiver == self.rank:
+                    lost_steps[step] = transfer
+        got = self._exchange(transfers)
+        self._lost_shares = sorted(step for step, transfer in lost_steps.items() if transfer in got)
+        if any(transfer.keep_as == transfer.name for transfer in got):  # manifests
+            sync.sync(self.catalog, self.objects)
+
+    def _inventory(self) -> dict:
+        local = self.local
+        found = {info.name: info.size for info in local.list(layout.MANIFESTS)}
+        replicas = []
+        for info in local.list(REPLICAS):
+            step, _, leaf = info.name[len(REPLICAS) :].partition("/")
+            step, of = layout.parse_number(step), layout.parse_number(leaf.removesuffix(".json"))
+            if step is not None and of is not None:
+                replicas.append((step, of, info.size))
+        return {
+            "manifests": {name: size for name, size in found.items() if layout.parse_manifest_name(name)},
+            "uploaded": sorted(uploaded_steps(local)),
+            "shares": share_lists(local),
+            "replicas": replicas,
+        }
+
+    def newest(self, what: str, needs: Callable[[int], dict[str, int]]) -> int:
+        """Step 2 of the module: the newest step the job can assemble; ``needs(step)`` names
+        every object that step reads. NotFoundError if there is none."""
+        from ..commit import ranks
+
+        offline = getattr(self.objects, "offline", False)
+        candidates = ranks.on_rank_zero(what, lambda: sorted(self.catalog.steps(), reverse=True))
+        passed = []
+        for step in candidates:
+            if step not in self._tiers_have or (step in self._uploaded and not offline):
+                break  # in the remote store: whatever no tier holds is read from there
+            names = sorted(ranks.on_rank_zero(what, lambda step=step: needs(step)))
+            lacking = ranks.on_every_rank(
+                what, lambda names=names: np.packbits([not self.local.exists(n) for n in names]).tobytes()
+            )
+            nowhere = np.bitwise_and.reduce([np.frombuffer(bits, dtype=np.uint8) for bits in lacking])
+            missing = [names[i] for i in np.flatnonzero(np.unpackbits(nowhere)[: len(names)])]
+            if not missing:
+                break
+            passed.append(f"step {step} ({len(missing)} objects in no tier of the job, {missing[0]}, ...)")
+        else:
+            raise NotFoundError(
+                f"{self.objects.uri} has no step the job can restore"
+                + (f": {'; '.join(passed)}, and it was never uploaded" if passed else "")
+            )
+        if passed:
+            log.warning(
+                "ckptstore: restoring step %d: the newer %s cannot be assembled and never reached %s",
+                step, ", ".join(passed), self.objects.uri,
+            )  # fmt: skip
+        return step
+
+    def fetch(self, step: int, reads: dict[str, int]) -> Sources:
+        """Step 3 of the module: every object of ``reads`` (name -> size: what this rank's read
+        of ``step`` touches) and of its lost shares that a rank of the job holds, in this
+        rank's tier; where its bytes come from. Collective."""
+        wanted = dict(reads)
+        for lost in self._lost_shares:
+            wanted.update(read_share(self.local, lost, self.rank))
+        at_hand = {name: size for name, size in wanted.items() if self.local.exists(name)}
+        lacking = {name: size for name, size in wanted.items() if name not in at_hand}
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, lacking, group=self.group)
+        union = sorted(set().union(*gathered))
+        holding: list = [None] * self.size
+        dist.all_gather_object(
+            holding, np.packbits([self.local.exists(name) for name in union]).tobytes(), group=self.group
+        )
+        holds = [np.unpackbits(np.frombuffer(bits, dtype=np.uint8))[: len(union)] for bits in holding]
+        column = {name: i for i, name in enumerate(union)}
+        transfers = [
+            _Transfer(receiver, name, size, name,
+                      tuple(r for r in range(self.size) if r != receiver and holds[r][column[name]]))
+            for receiver, names in enumerate(gathered)
+            for name, size in sorted(names.items())
+        ]  # fmt: skip
+        sources = Sources(step, tier=sum(size for name, size in at_hand.items() if name in reads))
+        got = self._exchange(transfers, sources)
+        for transfer in got:
+            if transfer.name in reads:
+                sender = got[transfer]
+                sources.peers[sender] = sources.peers.get(sender, 0) + transfer.size
+        received = {transfer.name for transfer in got}
+        sources.remote = sum(size for name, size in reads.items() if name in lacking and name not in received)
+        self.sources = sources
+        return sources
+
+    def _exchange(self, transfers: list[_Transfer], sources: Sources | None = None) -> dict[_Transfer, int]:
+        """Run ``transfers`` (the same list on every rank), each from its first holder that has
+        it intact; this rank's received ones -> the rank that sent it."""
+        import torch.distributed as dist
+
+        tried = [0] * len(transfers)
+        open_ = [i for i, transfer in enumerate(transfers) if transfer.holders]
+        got: dict[_Transfer, int] = {}
+        while open_:
+            failed = []
+            for i in open_:
+                transfer = transfers[i]
+                sender = sorted(transfer.holders, key=lambda r: (r - transfer.receiver) % self.size)[tried[i]]
+                if self.rank == sender:
+                    self._send(transfer)
+                elif self.rank == transfer.receiver:
+                    problem = self._receive(transfer, sender)
+                    if problem is None:
+                        got[transfer] = sender
+                        continue
+                    failed.append(i)
+                    log.warning("ckptstore: %s from rank %d %s: asking the next source", transfer.name,
+                                sender, problem)  # fmt: skip
+                    if sources is not None and problem != _MISSING:
+                        sources.corrupt.append(transfer.name)
+            everyone: list = [None] * self.size
+            dist.all_gather_object(everyone, failed, group=self.group)
+            open_ = sorted(i for failures in everyone for i in failures)
+            for i in open_:
+                tried[i] += 1
+            open_ = [i for i in open_ if tried[i] < len(transfers[i].holders)]
+        return got
+
+    def _send(self, transfer: _Transfer) -> None:
+        import torch
+        import torch.distributed as dist
+
+        try:
+            data = self.local.get(transfer.name)
+        except CkptStoreError:
+            data = None
+        if data is None or len(data) != transfer.size:
+            dist.send(torch.tensor([-1], dtype=torch.int64), transfer.receiver, group=self.group)
+            return
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), transfer.receiver, group=self.group)
+        if data:
+            dist.send(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), transfer.receiver, group=self.group
+            )
+
+    def _receive(self, transfer: _Transfer, sender: int) -> str | None:
+        """Receive ``transfer`` from ``sender``, verify it and keep it in the tier; None, or
+        what was wrong with it."""
+        import torch
+        import torch.distributed as dist
+
+        announced = torch.empty(1, dtype=torch.int64)
+        dist.recv(announced, sender, group=self.group)
+        length = int(announced.item())
+        if length == -1:
+            return _MISSING
+        if length != transfer.size:  # the stream would be out of step: the job cannot go on
+            raise CorruptError(
+                f"rank {sender} announced {transfer.name} as {length} bytes, not {transfer.size}"
+            )
+        payload = torch.empty(length, dtype=torch.uint8)
+        if length:
+            dist.recv(payload, sender, group=self.group)
+        data = payload.numpy().tobytes()
+        problem = intact(transfer.keep_as, transfer.name, data, self.objects)
+        if problem is None:
+            try:
+                self.local.put_if_absent(transfer.keep_as, data)
+            except (CkptStoreError, OSError) as exc:  # a full disk: the next source may be read directly
+                return f"could not be kept in {self.local.uri}: {exc}"
+        return problem
+
+
+def intact(name: str, sent_as: str, data: bytes, objects: ObjectStore) -> str | None:
+    """None if ``data`` is what ``name`` must hold (``sent_as`` at the sender: a peer's replica
+    record is this rank's share list), checked against its content key (a pack's every
+    entry, a blob, a file; a manifest's tag in a keyed store); else what is wrong."""
+    content_hash = objects.content_hash
+    try:
+        if (key := layout.parse_pack_name(name)) is not None:
+            pack.decode(data, key, None, content_hash)
+        elif (key := layout.parse_blob_name(name)) is not None:
+            codec.decode(data, key, None, content_hash)
+        elif (key := layout.parse_file_name(name)) is not None:
+            if file_key(data, content_hash) != key:
+                return "is corrupt: its content does not hash to its key"
+        elif (step := layout.parse_manifest_name(name)) is not None:
+            if manifest.decode(data, content_hash, name).step != step[0]:
+                return f"is corrupt: it describes another step than {step[0]}"
+        elif sent_as.startswith(REPLICAS):
+            shared = _names(data, sent_as)
+            if not isinstance(shared, dict) or not all(
+                isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shared.values()
+            ):
+                return "is corrupt: not a share list"
+        else:
+            return "is no object a restore takes from a peer"
+    except CkptStoreError as exc:
+        return f"is corrupt: {exc}"
+    return None
