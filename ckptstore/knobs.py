@@ -302,6 +302,14 @@ def replicas() -> int:
     return read_int("REPLICAS", 0, 0, 1000)
 
 
+@setting("PEER_TIMEOUT", "number")
+def peer_timeout() -> float:
+    """Seconds a rank waits for each message of a peer rank while copying replicas or serving
+    a restore (``tier.replicas``, ``tier.recover``) before it gives up on that peer; above 0,
+    at most a day."""
+    return read_float("PEER_TIMEOUT", 300.0, DAY, positive=True, limit="a day")
+
+
 @setting("NODE", "node name")
 def node() -> str:
     """This process's node, for choosing replica peers ("" or unset: torchrun's GROUP_RANK,

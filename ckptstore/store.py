@@ -159,6 +159,12 @@ class Store(TierVerbs):
         """Wait for a background commit in flight; returns its report, raises its error."""
         return self._commits.wait()
 
+    def replicate_behind(self, step: int) -> None:
+        """Copy this rank's share of ``step`` into its peers' tiers behind training (with
+        ``replicas``; else nothing): what a commit does after it, and what the DCP writer asks
+        for once its packs are durable. Collective: every rank calls it for the same steps."""
+        self._commits.replicate_behind(step)
+
     # -- reading back ----------------------------------------------------------------------
 
     @while_open

@@ -14,6 +14,9 @@ what it saw to ``RESULT.<rank>.json``. Modes:
   training steps (the run that never stopped), and every rank SIGKILLs itself.
 * ``restore``: a restarted job: restore the newest step it can, say where the bytes came from,
   train the same two steps.
+* ``stuck``: one agent of two ranks that say they are on two nodes (``CKPTSTORE_NODE``); rank 1
+  stops (SIGSTOP) where it would copy its replicas, rank 0 commits with a 3-second
+  ``CKPTSTORE_PEER_TIMEOUT``, says what it saw, then kills rank 1.
 """
 
 from __future__ import annotations
@@ -122,11 +125,45 @@ def restore(root: Path, result: str) -> None:
     dist.destroy_process_group()
 
 
+def stuck(root: Path, result: str) -> None:
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    import ckptstore
+    import ckptstore.tier as tier_package
+
+    rank = int(os.environ["RANK"])
+    os.environ.update(CKPTSTORE_NODE=f"node{rank}", CKPTSTORE_PEER_TIMEOUT="3")
+    os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-node{rank}")
+    store = ckptstore.open(root / "store", local=root / f"nvme-node{rank}", local_upload="drain", replicas=1)
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
+    pids: list = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:  # a hung peer: it takes part in finding its peers, then stops where it would copy
+        tier_package.replicate = lambda *args: os.kill(os.getpid(), signal.SIGSTOP)
+    train(engine, batches(1))
+    start = time.monotonic()
+    store.commit(engine, 1)
+    store.wait()  # the replication behind the commit gives up on the peer
+    seen = {"waited": time.monotonic() - start, "errors": store.tier.replica_errors}
+    seen["pending"] = {p.step: p.replicated for p in store.pending()}
+    seen["locations"] = store.locations()
+    Path(f"{result}.{rank}.json").write_text(json.dumps(seen))
+    os.kill(pids[1], signal.SIGKILL)
+
+
 def replicate(root: Path, result: str) -> None:
     import os
 
     import torch.distributed as dist
 
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.integrations.dcp import StoreWriter
     from ckptstore.tier.replicas import replicas_name
     from ckptstore.tier.upload import read_share
 
@@ -145,13 +182,17 @@ def replicate(root: Path, result: str) -> None:
     seen = {"node": node, "replicated": sorted(store.tier.replicated()), "errors": store.tier.replica_errors}
     seen["pending"] = {p.step: p.replicated for p in store.pending()}
     seen["locations"] = store.locations()
+    # The DCP door: each rank's own tensor, so that each rank writes packs of its own.
+    dcp.save({f"rank{rank}.weight": torch.full((4096,), float(rank))}, storage_writer=StoreWriter(store, 10))
+    store.wait()
+    seen["dcp_replicated"] = 10 in store.tier.replicated()
     seen["moved"] = {
         step: {"sent": report.sent_bytes, "received": report.received_bytes, "objects": report.sent_objects}
         for step, report in store.tier.replica_reports.items()
     }
-    seen["own_share"] = {step: read_share(local, step, rank) for step in (1, 2, 3)}
+    seen["own_share"] = {step: read_share(local, step, rank) for step in (1, 2, 3, 10)}
     seen["held_for_peer"] = {}
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 10):
         if local.exists(replicas_name(step, other)):
             held = json.loads(local.get(replicas_name(step, other)))
             seen["held_for_peer"][step] = {name: local.exists(name) for name in held}
@@ -162,6 +203,6 @@ def replicate(root: Path, result: str) -> None:
 
 
 if __name__ == "__main__":
-    {"replicate": replicate, "commit": commit, "restore": restore}[sys.argv[1]](
+    {"replicate": replicate, "commit": commit, "restore": restore, "stuck": stuck}[sys.argv[1]](
         Path(sys.argv[2]), sys.argv[3]
     )

@@ -50,11 +50,11 @@ def test_each_nodes_tier_holds_the_other_nodes_share_of_every_step(replicated_jo
     for rank, seen in enumerate(replicated_job):
         peer = replicated_job[1 - rank]
         assert seen["node"] == str(rank)
-        assert seen["errors"] == {} and seen["replicated"] == [1, 2, 3]
+        assert seen["errors"] == {} and seen["replicated"] == [1, 2, 3] and seen["dcp_replicated"]
         # not uploaded yet (local_upload="drain"), and said to be on a peer too
         assert seen["pending"] == {"1": True, "2": True, "3": True}
         assert seen["locations"] == {"1": "local+peer", "2": "local+peer", "3": "local+peer"}
-        for step in ("1", "2", "3"):
+        for step in ("1", "2", "3", "10"):  # 10: a DCP save
             held = seen["held_for_peer"][step]
             assert sorted(held) == sorted(peer["own_share"][step]), step  # the peer's whole share
             assert all(held.values()), step  # and every object of it is in this node's tier
@@ -82,6 +82,22 @@ def test_on_one_node_nothing_is_copied_and_no_step_is_called_replicated(tmp_path
         seen = json.loads(Path(f"{result}.{rank}.json").read_text())
         assert seen["replicated"] == [] and seen["moved"] == {} and seen["held_for_peer"] == {}
         assert set(seen["pending"].values()) == {False} and set(seen["locations"].values()) == {"local"}
+
+
+def test_a_peer_that_stops_answering_leaves_the_step_local_after_the_timeout_not_a_hang(tmp_path):
+    result = tmp_path / "result"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(WORKER), "stuck", str(tmp_path), str(result)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode != 0  # rank 1 was killed
+    seen = json.loads(Path(f"{result}.0.json").read_text())
+    assert 3 <= seen["waited"] < 60
+    assert "rank 1 did not answer within 3 s" in seen["errors"]["1"]
+    assert seen["pending"] == {"1": False} and seen["locations"] == {
+        "1": "local"
+    }  # durable here, uploads later
 
 
 def test_peers_are_the_same_local_rank_on_the_next_nodes_of_a_ring():

@@ -74,11 +74,19 @@ class EngineCommits:
         report = commit_step(self.objects, self.catalog, step, take_snapshot, **options)
         if self.tier is not None:
             self.tier.committed()
-        if replicate:  # behind training, as a non-blocking commit's own copies are made
-            ranks.use_commit_group()
-            self._queue = self._queue or CommitQueue()
-            self._queue.submit(step, functools.partial(_replicate, self.tier, step))
+        if replicate:
+            self.replicate_behind(step)
         return report
+
+    def replicate_behind(self, step: int) -> None:
+        """Copy this rank's share of the committed ``step`` into its peers' tiers behind
+        training, after the commit in flight, as a non-blocking commit's own copies are made
+        (nothing without replicas). Collective: every rank calls it after the same commits."""
+        if self.tier is None or self.tier.replicas == 0:
+            return
+        ranks.use_commit_group()
+        self._queue = self._queue or CommitQueue()
+        self._queue.submit(step, functools.partial(_replicate, self.tier, step))
 
     def wait(self) -> CommitReport | None:
         """Wait for the commit in flight, if any; returns its report, raises its error."""

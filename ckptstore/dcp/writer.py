@@ -65,8 +65,9 @@ class StoreWriter(StorageWriter):
     ``layers``: the layers to save (names as ``store.sources`` lists them); the others are
     inherited from the newest earlier step, which must be a DCP step of the same state (None:
     save everything). Everything that is not a parameter's tensor is saved every time.
-    ``metrics``: numbers recorded with the step (for ``gc --keep-best``). Every rank passes the
-    same arguments. Raises (through DCP, on every rank) ConflictError if the step exists,
+    ``metrics``: numbers recorded with the step (for ``gc --keep-best``). With a tier and
+    ``replicas``, each rank's packs are copied into its peers' tiers behind the save, as a
+    commit's are (``Store.replicate_behind``). Every rank passes the same arguments. Raises (through DCP, on every rank) ConflictError if the step exists,
     BadInputError for layers that cannot be saved alone.
     """
 
@@ -88,6 +89,9 @@ class StoreWriter(StorageWriter):
         self.rank = 0
         self._paths: dict[str, tuple] = {}
         self._save_id = uuid.uuid4().hex
+        tier = getattr(store, "tier", None)
+        if tier is not None and tier.replicas:
+            ranks.use_commit_group()  # here, on every rank's main thread: async_save writes on another
 
     # -- DCP's set-up ------------------------------------------------------------------------
 
@@ -205,6 +209,9 @@ class StoreWriter(StorageWriter):
                     nbytes = entry[4] * codec.DTYPES[entry[2]].itemsize
                     where = _Stored(layer, ref, entry, ref.key in stored.created)
                     results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=where))
+        replicate = getattr(self.store, "replicate_behind", None)
+        if replicate is not None:  # the packs are durable: copies go to the peers behind the save
+            replicate(self.step)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done

@@ -22,6 +22,7 @@ from ..arguments import check_seconds
 from ..errors import CkptStoreError, NotFoundError, StorageError
 from ..format.config import ensure_config
 from ..objects import ObjectStore
+from . import p2p
 from .prune import PruneReport, prune
 from .recover import Recovery, Sources
 from .replicas import Peers, ReplicaReport, node_name, replicate, replicated_steps
@@ -124,12 +125,11 @@ class Tier:
         """Copy this rank's share of ``step`` into its peers' tiers and keep theirs
         (``replicas``); what moved, or None without replicas. Collective over the commit
         process group: every rank calls it after the same commits, in the same order. A
-        failure is logged and kept in ``replica_errors``, never raised: the step is durable
-        here and goes up to the remote store as any other."""
+        failure (a peer that does not answer within ``CKPTSTORE_PEER_TIMEOUT``, say) is logged
+        and kept in ``replica_errors``, never raised: the step is durable here and goes up to
+        the remote store as any other; this rank then copies no more replicas."""
         if self.replicas == 0:
             return None
-        import torch.distributed as dist
-
         from ..commit import ranks
 
         rank, size = ranks.world()
@@ -138,9 +138,7 @@ class Tier:
         try:
             group = ranks.commit_group()
             if self._peers is None:
-                nodes: list = [None] * size
-                dist.all_gather_object(nodes, node_name(), group=group)
-                self._peers = Peers.of(nodes, rank, self.replicas)
+                self._peers = Peers.of(p2p.gather_names(node_name(), group, size), rank, self.replicas)
                 if not self._peers.send_to:
                     log.warning(
                         "ckptstore: replicas=%d, but no other node of the job has a rank %d's peer: "
@@ -151,7 +149,12 @@ class Tier:
             report = replicate(self.local, step, rank, read_share(self.local, step, rank), self._peers, group)
         except Exception as exc:  # the step is committed; only its copies are missing
             self.replica_errors[step] = str(exc)
-            log.warning("ckptstore: step %d was not replicated to other nodes: %s", step, exc)
+            # Messages with the peers may be out of step now: none is exchanged again.
+            self._peers = Peers([], [])
+            log.warning(
+                "ckptstore: step %d was not replicated to other nodes (%s); this rank copies no "
+                "more replicas until the job restarts", step, exc,
+            )  # fmt: skip
             return None
         self.replica_reports[step] = report
         return report

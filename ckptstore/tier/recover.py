@@ -37,6 +37,7 @@ from ..errors import CkptStoreError, CorruptError, NotFoundError
 from ..format import codec, layout, manifest, pack
 from ..objects import ObjectStore
 from ..objects.tiered import share_name
+from . import p2p
 from .replicas import REPLICAS, _names, replicas_name
 from .upload import read_share, share_lists, uploaded_name, uploaded_steps
 
@@ -256,41 +257,25 @@ class Recovery:
         return got
 
     def _send(self, transfer: _Transfer) -> None:
-        import torch
-        import torch.distributed as dist
-
         try:
             data = self.local.get(transfer.name)
         except CkptStoreError:
             data = None
-        if data is None or len(data) != transfer.size:
-            dist.send(torch.tensor([-1], dtype=torch.int64), transfer.receiver, group=self.group)
-            return
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), transfer.receiver, group=self.group)
-        if data:
-            dist.send(
-                torch.frombuffer(bytearray(data), dtype=torch.uint8), transfer.receiver, group=self.group
-            )
+        p2p.send(
+            data if data is not None and len(data) == transfer.size else None, transfer.receiver, self.group
+        )
 
     def _receive(self, transfer: _Transfer, sender: int) -> str | None:
         """Receive ``transfer`` from ``sender``, verify it and keep it in the tier; None, or
         what was wrong with it."""
-        import torch
-        import torch.distributed as dist
-
-        announced = torch.empty(1, dtype=torch.int64)
-        dist.recv(announced, sender, group=self.group)
-        length = int(announced.item())
-        if length == -1:
+        length = p2p.receive_length(sender, self.group)
+        if length == p2p.NOTHING:
             return _MISSING
         if length != transfer.size:  # the stream would be out of step: the job cannot go on
             raise CorruptError(
                 f"rank {sender} announced {transfer.name} as {length} bytes, not {transfer.size}"
             )
-        payload = torch.empty(length, dtype=torch.uint8)
-        if length:
-            dist.recv(payload, sender, group=self.group)
-        data = payload.numpy().tobytes()
+        data = p2p.receive_bytes(length, sender, self.group)
         problem = intact(transfer.keep_as, transfer.name, data, self.objects)
         if problem is None:
             try:

@@ -27,6 +27,7 @@ from .. import knobs
 from ..errors import CorruptError
 from ..format import layout
 from ..objects import ObjectStore
+from . import p2p
 
 log = logging.getLogger("ckptstore")
 
@@ -170,28 +171,14 @@ class _Link:
     def exchange(self, data: bytes | None, *, receive: bool = True, size: int | None = None) -> bytes | None:
         """Send ``data`` (None: nothing) and receive a message (``receive`` False: none) of
         ``size`` bytes (None: a list, of a bounded size); returns what was received. The sizes
-        go first, checked before anything is allocated for the message."""
-        import torch
-        import torch.distributed as dist
-
-        pending = []
-        if data is not None:
-            length = torch.tensor([len(data)], dtype=torch.int64)
-            pending.append(dist.isend(length, self.send_to, group=self.group))
-            if data:
-                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                pending.append(dist.isend(payload, self.send_to, group=self.group))
+        go first, checked before anything is allocated for the message; each wait is bounded
+        (``p2p``)."""
+        sending = p2p.post(data, self.send_to, self.group) if data is not None else []
         received = None
         if receive:
-            announced = torch.empty(1, dtype=torch.int64)
-            dist.recv(announced, self.receive_from, group=self.group)
-            length = int(announced.item())
+            length = p2p.receive_length(self.receive_from, self.group)
             if length != size if size is not None else not 0 <= length <= _MAX_LIST_BYTES:
                 raise CorruptError(f"rank {self.receive_from} announced a message of {length} bytes")
-            payload = torch.empty(length, dtype=torch.uint8)
-            if length:
-                dist.recv(payload, self.receive_from, group=self.group)
-            received = payload.numpy().tobytes()
-        for work in pending:
-            work.wait()
+            received = p2p.receive_bytes(length, self.receive_from, self.group)
+        p2p.finish(sending, self.send_to)
         return received
