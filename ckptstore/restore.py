@@ -66,6 +66,7 @@ def restore(
     no DeepSpeed engine."""
     from .deepspeed.extract import optimizer_flavour
     from .deepspeed.load import load_from_memory, start_module_weights
+    from .tier.recover import step_objects
 
     check_engine(engine)
     step = None if step is None else check_step(step)
@@ -81,7 +82,7 @@ def restore(
     if recovery is not None:
         recovery.share_manifests("restore")
     if recovery is not None and spec is None and step is None:
-        chosen = recovery.newest("restore", lambda newest: _step_objects(objects, catalog, newest))
+        chosen = recovery.newest("restore", lambda newest: step_objects(catalog, newest))
     else:
         chosen = ranks.on_every_rank("restore", choose)[0]  # rank 0's answer, for every rank
     what = f"restore of step {chosen}"
@@ -132,11 +133,6 @@ def restore(
             "the engine may be partly restored: restore again or rebuild it"
         ) from exc
     return chosen, client_state
-
-
-def _step_objects(objects: ObjectStore, catalog: Catalog, step: int) -> dict[str, int]:
-    """Every stored object ``step`` reads (name -> stored size)."""
-    return step_reader(objects, catalog, step, json.loads(catalog.description(step))).objects()
 
 
 def _plan(

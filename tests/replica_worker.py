@@ -11,9 +11,11 @@ what it saw to ``RESULT.<rank>.json``. Modes:
   3 (non-blocking) with ``replicas=1`` into each node's tier in front of one store.
 * ``commit``: the same in front of the S3 store ``$CKPTSTORE_STORE``: steps 1 and 2, uploaded
   (``drain``), then 3 (non-blocking) and 4, replicated and never uploaded; then two more
-  training steps (the run that never stopped), and every rank SIGKILLs itself.
-* ``restore``: a restarted job: restore the newest step it can, say where the bytes came from,
-  train the same two steps.
+  training steps (the run that never stopped); a DCP save of step 7 into a second store
+  (``-dcp``, tiers ``dcp-node<N>``), never uploaded; and every rank SIGKILLs itself.
+* ``restore``: a restarted job: restore the newest step it can (or ``$RESTORE_STEP``), say
+  where the bytes came from, train the same two steps; with ``$DCP``, load the DCP store's
+  newest step too.
 * ``stuck``: one agent of two ranks that say they are on two nodes (``CKPTSTORE_NODE``); rank 1
   stops (SIGSTOP) where it would copy its replicas, rank 0 commits with a 3-second
   ``CKPTSTORE_PEER_TIMEOUT``, says what it saw, then kills rank 1.
@@ -56,15 +58,22 @@ def state_digest(engine) -> str:
     return digest.hexdigest()
 
 
-def open_node_store(root: Path, uri):
-    """This node's store: ``uri`` behind its own tier (``nvme-node<N>``) and catalog cache."""
+def open_node_store(root: Path, uri, tier: str = "nvme"):
+    """This node's store: ``uri`` behind its own tier (``<tier>-node<N>``) and catalog cache."""
     import os
 
     import ckptstore
 
     node = os.environ["GROUP_RANK"]
     os.environ["CKPTSTORE_CACHE"] = str(root / f"cache-node{node}")
-    return ckptstore.open(uri, local=root / f"nvme-node{node}", local_upload="drain", replicas=1)
+    return ckptstore.open(uri, local=root / f"{tier}-node{node}", local_upload="drain", replicas=1)
+
+
+def dcp_state(rank: int, fill: float | None = None) -> dict:
+    """What the DCP door saves: a tensor of each rank's own (each rank writes packs of its own)."""
+    import torch
+
+    return {f"rank{rank}.weight": torch.full((4096,), float(rank) if fill is None else fill)}
 
 
 def commit(root: Path, result: str) -> None:
@@ -72,6 +81,9 @@ def commit(root: Path, result: str) -> None:
     import signal
 
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.integrations.dcp import StoreWriter
 
     store = open_node_store(root, os.environ["CKPTSTORE_STORE"])
     engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=2)
@@ -89,6 +101,10 @@ def commit(root: Path, result: str) -> None:
     seen = {"replicated": sorted(store.tier.replicated()), "pending": [p.step for p in store.pending()]}
     seen["digest"] = state_digest(engine)
     seen["losses"] = train(engine, data[4:6])
+    dcp_store = open_node_store(root, os.environ["CKPTSTORE_STORE"] + "-dcp", tier="dcp")
+    dcp.save(dcp_state(dist.get_rank()), storage_writer=StoreWriter(dcp_store, 7))  # never uploaded
+    dcp_store.wait()
+    seen["dcp_replicated"] = sorted(dcp_store.tier.replicated())
     Path(f"{result}.{dist.get_rank()}.json").write_text(json.dumps(seen))
     dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)  # both nodes die: nothing closes, nothing uploads
@@ -99,12 +115,14 @@ def restore(root: Path, result: str) -> None:
     import os
 
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
+    from ckptstore.integrations.dcp import StoreReader
     from ckptstore.tier.upload import read_share
 
     store = open_node_store(root, os.environ["CKPTSTORE_STORE"])
     engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=7, num_layers=2)
-    step, _ = store.restore(engine)
+    step, _ = store.restore(engine, int(os.environ["RESTORE_STEP"]) if "RESTORE_STEP" in os.environ else None)
     rank = dist.get_rank()
     seen = {
         "step": step,
@@ -119,6 +137,13 @@ def restore(root: Path, result: str) -> None:
         for s in (3, 4)
         if local.exists(f"tier/shares/{s:012d}/{rank}.json")
     }
+    if "DCP" in os.environ:  # the DCP door's step 7, never uploaded, through a reader
+        dcp_store = open_node_store(root, os.environ["CKPTSTORE_STORE"] + "-dcp", tier="dcp")
+        state = dcp_state(rank, fill=-1.0)
+        dcp.load(state, storage_reader=StoreReader(dcp_store))
+        seen["dcp_loaded"] = bool(state[f"rank{rank}.weight"].eq(rank).all())
+        seen["dcp_sources"] = dataclasses.asdict(dcp_store.tier.restored_from)
+        dcp_store.close()
     destroy_engine(engine)
     store.close()
     Path(f"{result}.{rank}.json").write_text(json.dumps(seen))
@@ -159,8 +184,6 @@ def replicate(root: Path, result: str) -> None:
     import os
 
     import torch.distributed as dist
-
-    import torch
     import torch.distributed.checkpoint as dcp
 
     from ckptstore.integrations.dcp import StoreWriter
@@ -183,7 +206,7 @@ def replicate(root: Path, result: str) -> None:
     seen["pending"] = {p.step: p.replicated for p in store.pending()}
     seen["locations"] = store.locations()
     # The DCP door: each rank's own tensor, so that each rank writes packs of its own.
-    dcp.save({f"rank{rank}.weight": torch.full((4096,), float(rank))}, storage_writer=StoreWriter(store, 10))
+    dcp.save(dcp_state(rank), storage_writer=StoreWriter(store, 10))
     store.wait()
     seen["dcp_replicated"] = 10 in store.tier.replicated()
     seen["moved"] = {

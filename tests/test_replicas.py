@@ -41,6 +41,15 @@ def two_nodes(
     return [json.loads(Path(f"{result}.{rank}.json").read_text()) for rank in (0, 1)]
 
 
+def one_node(root: Path, mode: str, result: Path) -> subprocess.CompletedProcess:
+    """Run the worker as one agent of two ranks (one node)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(WORKER), mode, str(root), str(result)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def replicated_job(tmp_path_factory) -> list[dict]:
     return two_nodes(tmp_path_factory.mktemp("replicas"))
@@ -71,11 +80,7 @@ def test_a_step_of_unchanged_state_moves_no_bytes_and_a_new_one_only_its_new_pac
 
 def test_on_one_node_nothing_is_copied_and_no_step_is_called_replicated(tmp_path):
     result = tmp_path / "result"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(WORKER), "replicate", str(tmp_path), str(result)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = one_node(tmp_path, "replicate", result)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "copied nowhere" in proc.stderr
     for rank in (0, 1):
@@ -86,11 +91,7 @@ def test_on_one_node_nothing_is_copied_and_no_step_is_called_replicated(tmp_path
 
 def test_a_peer_that_stops_answering_leaves_the_step_local_after_the_timeout_not_a_hang(tmp_path):
     result = tmp_path / "result"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(WORKER), "stuck", str(tmp_path), str(result)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = one_node(tmp_path, "stuck", result)
     assert proc.returncode != 0  # rank 1 was killed
     seen = json.loads(Path(f"{result}.0.json").read_text())
     assert 3 <= seen["waited"] < 60
@@ -130,11 +131,20 @@ def recovered_job(tmp_path_factory, s3_server) -> dict:
             "CKPTSTORE_STORE": f"s3://{bucket}/run",
         }
         seen = {"before": two_nodes(root, "commit", env, killed=True)}
-        shutil.rmtree(root / "nvme-node1")
-        shutil.rmtree(root / "cache-node1", ignore_errors=True)
+        for tier in ("nvme", "dcp", "cache"):
+            shutil.rmtree(root / f"{tier}-node1", ignore_errors=True)
         proxy.reset_counters()
-        seen["replaced"] = two_nodes(root, "restore", env)
+        seen["replaced"] = two_nodes(root, "restore", {**env, "DCP": "1"})
         seen["replaced_requests"] = list(proxy.requests)
+        # Node 1 replaced again, and node 0's copy of the biggest object of its step-2 share
+        # damaged: that one is read from S3 (step 2 was uploaded), the rest from node 0.
+        shutil.rmtree(root / "nvme-node1")
+        held = json.loads((root / "nvme-node0" / replicas_name(2, 1)).read_text())
+        seen["damaged"] = damaged = max(held, key=held.get)
+        with open(root / "nvme-node0" / damaged, "r+b") as replica:
+            replica.seek(held[damaged] // 2)
+            replica.write(b"\xff" * 64)
+        seen["damaged_replica"] = two_nodes(root, "restore", {**env, "RESTORE_STEP": "2"})
         for node in (0, 1):
             shutil.rmtree(root / f"nvme-node{node}")
             shutil.rmtree(root / f"cache-node{node}", ignore_errors=True)
@@ -161,6 +171,22 @@ def test_a_replaced_node_restores_the_newest_step_from_its_peer_with_no_pack_rea
     ]
     assert packs_read == []
     assert any("list-type" in line for line in recovered_job["replaced_requests"])  # S3 was there, listed
+
+
+def test_a_replaced_node_loads_the_dcp_doors_newest_step_from_its_peer(recovered_job):
+    assert [seen["dcp_replicated"] for seen in recovered_job["before"]] == [[7], [7]]
+    node0, node1 = (seen["dcp_sources"] for seen in recovered_job["replaced"])
+    assert [seen["dcp_loaded"] for seen in recovered_job["replaced"]] == [True, True]
+    assert node0["step"] == node1["step"] == 7 and node0["peers"] == {} and node0["remote"] == 0
+    assert node1["tier"] == 0 and node1["remote"] == 0 and list(node1["peers"]) == ["0"]
+
+
+def test_a_damaged_replica_is_refused_and_read_from_the_next_source(recovered_job):
+    node0, node1 = (seen["sources"] for seen in recovered_job["damaged_replica"])
+    assert [seen["step"] for seen in recovered_job["damaged_replica"]] == [2, 2]
+    assert node1["corrupt"] == [recovered_job["damaged"]]  # detected: its content key does not match
+    assert node1["remote"] > 0 and node1["peers"]["0"] > 0  # that one from S3, the rest from node 0
+    assert node0["corrupt"] == [] and node0["remote"] == 0
 
 
 def test_with_both_tiers_lost_the_job_restores_the_newest_uploaded_step_from_s3(recovered_job):

@@ -25,7 +25,9 @@ from .. import knobs
 from ..catalog import sync
 from ..errors import BadInputError, CorruptError, NotFoundError, require_int
 from ..format import pickled
+from ..format.layout import pack_name
 from ..model import PackRef
+from ..tier.recover import step_objects
 from . import StoreParts, chunks, is_dcp_step
 from . import metadata as plain_metadata
 
@@ -34,7 +36,9 @@ __all__ = ["StoreReader"]
 
 class StoreReader(StorageReader):
     """DCP's ``StorageReader`` that loads step ``step`` of ``store`` (None: the newest step)
-    into ``dcp.load``'s state, at any world size and sharding (DCP reshards). Raises
+    into ``dcp.load``'s state, at any world size and sharding (DCP reshards). Through a tier
+    with ``replicas``, what this node's tier lacks comes from the job's other tiers first, and
+    the newest step is the newest the job can assemble (every rank makes its reader). Raises
     NotFoundError for a step that does not exist, BadInputError for one a DeepSpeed engine
     committed, CorruptError (through DCP) for a chunk that does not verify."""
 
@@ -46,6 +50,10 @@ class StoreReader(StorageReader):
         self._read_step: int | None = None
         # (step, its DCP metadata as plain data, its chunks' locations): see ``_described``.
         self._described_step: tuple[int, dict, dict] | None = None
+        tier = getattr(store, "tier", None)
+        # With replicas a load reads what this node's tier lacks from the job's other tiers
+        # (``tier.recover``), collectively, as a restore does; set up here, on every rank.
+        self._recovery = tier.recovery(store.objects, store.catalog) if tier is not None else None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """A new load: the step is looked up again."""
@@ -75,7 +83,7 @@ class StoreReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata of the step, from its description (no pickle), with where each
         chunk is stored as its ``storage_data``."""
-        step = self._resolve_step()
+        step = self._resolve_step() if self._recovery is None else self._recover_step()
         plain, found = self._described(step)
         metadata = plain_metadata.from_plain(plain)  # DCP's own, new for every load
         metadata.storage_data = {
@@ -85,6 +93,14 @@ class StoreReader(StorageReader):
         metadata.storage_meta = StorageMeta(checkpoint_id=f"{self.store.objects.uri}@{step}")
         self._read_step = step
         return metadata
+
+    def _recover_step(self) -> int:
+        """``_resolve_step`` across the job's tiers: every manifest any node holds is in this
+        node's catalog first, and the newest step is the newest the job can assemble."""
+        self._recovery.share_manifests("dcp.load")
+        if self.step is None:
+            return self._recovery.newest("dcp.load", lambda step: step_objects(self.store.catalog, step))
+        return self._resolve_step()
 
     def _described(self, step: int) -> tuple[dict, dict]:
         """Step ``step``'s DCP metadata as plain data and its chunks' locations, from its
@@ -130,6 +146,9 @@ class StoreReader(StorageReader):
         for where in wanted:
             ref = fetcher.pack_of(where)
             by_pack.setdefault(ref.key, (ref, []))[1].append(where)
+        if self._recovery is not None:  # what this node's tier lacks, from the job's other tiers
+            self._recovery.fetch(step, {pack_name(ref.key): ref.size for ref, _ in by_pack.values()})
+            self.store.tier.restored_from = self._recovery.sources
         # A few packs in flight on I/O threads; DCP gets each chunk on this thread, as it is
         # fetched, so memory holds a few packs' chunks, not the rank's whole share.
         window = knobs.io_threads()

@@ -141,12 +141,12 @@ class Relayout:
         read_into = getattr(self._source, "read_into", None)
         return read_into is not None and read_into(name, kind, start, out)
 
-    def objects(self, spans: list[tuple[str, str, int, int]] | None = None) -> dict[str, int]:
+    def objects(self, spans: list[tuple[str, str, int, int]]) -> dict[str, int]:
         """``StepReader.objects``: a parameter it reorders is read whole."""
-        if spans is not None:
-            spans = [(name, kind, 0, 1 << 62) if name in self.reordered else (name, kind, lo, hi)
-                     for name, kind, lo, hi in spans]  # fmt: skip
-        return self._source.objects(spans)
+        return self._source.objects(
+            [(name, kind, 0, 1 << 62) if name in self.reordered else (name, kind, lo, hi)
+             for name, kind, lo, hi in spans]
+        )  # fmt: skip
 
     def plan(self, spans: list[tuple[str, str, int, int]]) -> None:
         plan = getattr(self._source, "plan", None)

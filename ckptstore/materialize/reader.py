@@ -126,14 +126,9 @@ class StepReader:
             for row in _overlapping(fragments, lo, hi):
                 self._want(index, row, name, kind)
 
-    def objects(self, spans: Iterable[tuple[str, str, int, int]] | None = None) -> dict[str, int]:
-        """The stored objects (name -> stored size) reads of ``spans`` (``plan``'s ranges; None:
-        everything this reader was built for) touch, without reading any: what a restore needs
-        at hand (``tier.recover``)."""
-        if spans is None:
-            found = {pack_name(key): ref.size for key, ref in self._refs.items()}
-            found.update((blob_name(key), self._sizes[key].size) for key in self._where if key in self._sizes)
-            return found
+    def objects(self, spans: Iterable[tuple[str, str, int, int]]) -> dict[str, int]:
+        """The stored objects (name -> stored size) reads of ``spans`` (``plan``'s ranges) touch,
+        without reading any: what a restore needs at hand (``tier.recover``)."""
         found = {}
         for name, kind, lo, hi in spans:
             if hi <= lo:

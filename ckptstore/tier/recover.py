@@ -35,6 +35,7 @@ from ..auxfiles import file_key
 from ..catalog import Catalog, sync
 from ..errors import CkptStoreError, CorruptError, NotFoundError
 from ..format import codec, layout, manifest, pack
+from ..model import layers_by_source
 from ..objects import ObjectStore
 from ..objects.tiered import share_name
 from . import p2p
@@ -105,8 +106,6 @@ class Recovery:
 
         gathered = ranks.on_every_rank(what, self._inventory)
         self._uploaded = set().union(*(set(inventory["uploaded"]) for inventory in gathered))
-        for step in self._uploaded - uploaded_steps(self.local):
-            self.local.put_if_absent(uploaded_name(step), b"")  # no second upload of it from here
         manifests: dict[str, tuple[int, list[int]]] = {}
         for rank, inventory in enumerate(gathered):
             for name, size in inventory["manifests"].items():
@@ -135,8 +134,14 @@ class Recovery:
                     lost_steps[step] = transfer
         got = self._exchange(transfers)
         self._lost_shares = sorted(step for step, transfer in lost_steps.items() if transfer in got)
-        if any(transfer.keep_as == transfer.name for transfer in got):  # manifests
-            sync.sync(self.catalog, self.objects)
+
+        def take_in() -> None:  # on every rank together: a failure here raises on each
+            for step in self._uploaded - uploaded_steps(self.local):
+                self.local.put_if_absent(uploaded_name(step), b"")  # no second upload of it from here
+            if any(transfer.keep_as == transfer.name for transfer in got):  # manifests
+                sync.sync(self.catalog, self.objects)
+
+        ranks.each_rank(what, take_in)
 
     def _inventory(self) -> dict:
         local = self.local
@@ -190,19 +195,23 @@ class Recovery:
         """Step 3 of the module: every object of ``reads`` (name -> size: what this rank's read
         of ``step`` touches) and of its lost shares that a rank of the job holds, in this
         rank's tier; where its bytes come from. Collective."""
-        wanted = dict(reads)
-        for lost in self._lost_shares:
-            wanted.update(read_share(self.local, lost, self.rank))
-        at_hand = {name: size for name, size in wanted.items() if self.local.exists(name)}
-        lacking = {name: size for name, size in wanted.items() if name not in at_hand}
-        import torch.distributed as dist
+        from ..commit import ranks
 
-        gathered: list = [None] * self.size
-        dist.all_gather_object(gathered, lacking, group=self.group)
+        at_hand: dict[str, int] = {}
+
+        def lacking_here() -> dict[str, int]:
+            wanted = dict(reads)
+            for lost in self._lost_shares:
+                wanted.update(read_share(self.local, lost, self.rank))
+            at_hand.update((name, size) for name, size in wanted.items() if self.local.exists(name))
+            return {name: size for name, size in wanted.items() if name not in at_hand}
+
+        what = f"restore of step {step}"
+        gathered = ranks.on_every_rank(what, lacking_here)
+        lacking = gathered[self.rank]
         union = sorted(set().union(*gathered))
-        holding: list = [None] * self.size
-        dist.all_gather_object(
-            holding, np.packbits([self.local.exists(name) for name in union]).tobytes(), group=self.group
+        holding = ranks.on_every_rank(
+            what, lambda: np.packbits([self.local.exists(name) for name in union]).tobytes()
         )
         holds = [np.unpackbits(np.frombuffer(bits, dtype=np.uint8))[: len(union)] for bits in holding]
         column = {name: i for i, name in enumerate(union)}
@@ -283,6 +292,21 @@ class Recovery:
             except (CkptStoreError, OSError) as exc:  # a full disk: the next source may be read directly
                 return f"could not be kept in {self.local.uri}: {exc}"
         return problem
+
+
+def step_objects(catalog: Catalog, step: int) -> dict[str, int]:
+    """Every stored object ``step`` reads (name -> stored size): the packs and blobs of each
+    layer at the step that saved it, whichever front door committed it."""
+    found: dict[str, int] = {}
+    for source, layers in layers_by_source(catalog.sources(step)).items():
+        packed = set()
+        for index in catalog.layer_packs(source, layers):
+            packed.add(index.layer)
+            found.update((layout.pack_name(ref.key), ref.size) for ref in index.packs)
+        rows = catalog.tensors(source, [layer for layer in layers if layer not in packed])
+        sizes = catalog.blob_sizes({row.blob for row in rows})
+        found.update((layout.blob_name(key), size.size) for key, size in sizes.items())
+    return found
 
 
 def intact(name: str, sent_as: str, data: bytes, objects: ObjectStore) -> str | None:
