@@ -19,7 +19,9 @@ import ckptstore
 from ckptstore.errors import BadInputError, StorageError
 from ckptstore.format import pack
 from ckptstore.format.layout import file_name, pack_name
+from ckptstore.objects.local import LocalObjectStore
 from ckptstore.objects.tiered import share_name
+from ckptstore.tier.prune import prune
 from ckptstore.tier.recover import intact
 from ckptstore.tier.replicas import Peers, replicas_name
 from tests.moto_s3 import S3_ENV
@@ -228,3 +230,20 @@ def test_a_peers_object_is_taken_only_if_it_hashes_to_its_name(tmp_path):
     share = json.dumps({name: len(data)}).encode()
     assert intact(share_name(4, 1), replicas_name(4, 1), share, objects) is None  # a replica record
     assert "corrupt" in intact(share_name(4, 1), replicas_name(4, 1), b'{"/etc/passwd": 1}', objects)
+
+
+def test_a_peers_replicas_of_a_step_this_node_has_no_manifest_of_follow_local_keep(tmp_path):
+    local = LocalObjectStore(tmp_path / "tier", create=True)
+
+    def hold(step: int, data: bytes) -> str:  # a replica of rank 0's pack of ``step`` (a DCP save's)
+        name = pack_name(f"{step:032x}")
+        local.put_if_absent(name, data)
+        local.put_if_absent(replicas_name(step, 0), json.dumps({name: len(data)}).encode())
+        return name
+
+    older = hold(5, b"five")
+    prune(local, keep=1)
+    assert local.exists(older)  # the newest step this tier knows of: kept
+    newer = hold(6, b"six")
+    prune(local, keep=1)
+    assert local.exists(newer) and not local.exists(older) and not local.exists(replicas_name(5, 0))

@@ -3,7 +3,8 @@
 The local tier keeps every object its ``keep`` newest steps name (so restoring one of them on
 this node reads nothing from the remote) and everything of every step not uploaded yet; the
 rest, which the remote holds, is deleted, manifests and upload marks of the dropped steps last.
-A peer's replicas are kept by the same rule: the manifest of a step names every rank's objects.
+A peer's replicas are kept by the same rule: the manifest of a step names every rank's objects,
+and where this node lacks the manifest, the replica's own record names them.
 It runs under the tier's exclusive lock, so a commit in flight (which holds it shared) never
 has a pack it wrote or found deleted before its manifest names it.
 """
@@ -16,7 +17,7 @@ from ..catalog.sync import read_manifest
 from ..format import layout
 from ..objects import ObjectStore
 from ..objects.tiered import SHARES
-from .replicas import REPLICAS, REPLICATED
+from .replicas import REPLICAS, REPLICATED, held_records, read_held
 from .upload import (
     object_names,
     pending_shares,
@@ -45,7 +46,10 @@ def prune(local: ObjectStore, keep: int) -> PruneReport:
     with local.lock(exclusive=True):
         manifests = layout.list_manifests(local)
         shares = share_steps(local)
-        steps = sorted(set(manifests.found) | shares)
+        # A peer's replicas of a step whose manifest this node lacks (a DCP save's manifest is
+        # only on its coordinator's node) are kept by their own records.
+        held = held_records(local)
+        steps = sorted(set(manifests.found) | shares | {step for step, _, _ in held})
         pending = set(pending_steps(local)) | {step for step, _ in pending_shares(local)}
         kept = set(steps[-keep:] if keep > 0 else []) | pending
         needed: set[str] = set()
@@ -55,6 +59,9 @@ def prune(local: ObjectStore, keep: int) -> PruneReport:
         for step, rank in share_lists(local):
             if step in kept:
                 needed.update(read_share(local, step, rank))
+        for step, rank, _ in held:
+            if step in kept:
+                needed.update(read_held(local, step, rank))
         stored = [
             info
             for prefix in (layout.PACKS, layout.BLOBS, layout.FILES)

@@ -39,7 +39,7 @@ from ..model import layers_by_source
 from ..objects import ObjectStore
 from ..objects.tiered import share_name
 from . import p2p
-from .replicas import REPLICAS, _names, replicas_name
+from .replicas import REPLICAS, _names, held_records, replicas_name
 from .upload import read_share, share_lists, uploaded_name, uploaded_steps
 
 log = logging.getLogger("ckptstore")
@@ -146,17 +146,11 @@ class Recovery:
     def _inventory(self) -> dict:
         local = self.local
         found = {info.name: info.size for info in local.list(layout.MANIFESTS)}
-        replicas = []
-        for info in local.list(REPLICAS):
-            step, _, leaf = info.name[len(REPLICAS) :].partition("/")
-            step, of = layout.parse_number(step), layout.parse_number(leaf.removesuffix(".json"))
-            if step is not None and of is not None:
-                replicas.append((step, of, info.size))
         return {
             "manifests": {name: size for name, size in found.items() if layout.parse_manifest_name(name)},
             "uploaded": sorted(uploaded_steps(local)),
             "shares": share_lists(local),
-            "replicas": replicas,
+            "replicas": held_records(local),
         }
 
     def newest(self, what: str, needs: Callable[[int], dict[str, int]]) -> int:

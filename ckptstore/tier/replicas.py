@@ -130,6 +130,27 @@ def replicate(
     return report
 
 
+def held_records(local: ObjectStore) -> list[tuple[int, int, int]]:
+    """``(step, rank, size of the record)`` of every replica record ``local`` keeps for others."""
+    held = []
+    for info in local.list(REPLICAS):
+        step, _, leaf = info.name[len(REPLICAS) :].partition("/")
+        step, of = layout.parse_number(step), layout.parse_number(leaf.removesuffix(".json"))
+        if step is not None and of is not None and leaf.endswith(".json"):
+            held.append((step, of, info.size))
+    return sorted(held)
+
+
+def read_held(local: ObjectStore, step: int, rank: int) -> dict[str, int]:
+    """The objects ``local`` keeps of rank ``rank``'s share of ``step`` (name -> size)."""
+    names = _names(local.get(replicas_name(step, rank)), f"{local.uri}/{replicas_name(step, rank)}")
+    if not isinstance(names, dict):
+        raise CorruptError(
+            f"{local.uri}/{replicas_name(step, rank)} is not a list of objects with their sizes"
+        )
+    return names
+
+
 def replicated_steps(local: ObjectStore, shares: list[tuple[int, int]]) -> set[int]:
     """The steps of which this node's tier marked every share it lists (``shares``:
     ``(step, rank)``) replicated: every rank of the node that committed it has its copies."""
