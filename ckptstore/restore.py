@@ -66,7 +66,6 @@ def restore(
     no DeepSpeed engine."""
     from .deepspeed.extract import optimizer_flavour
     from .deepspeed.load import load_from_memory, start_module_weights
-    from .tier.recover import step_objects
 
     check_engine(engine)
     step = None if step is None else check_step(step)
@@ -82,7 +81,7 @@ def restore(
     if recovery is not None:
         recovery.share_manifests("restore")
     if recovery is not None and spec is None and step is None:
-        chosen = recovery.newest("restore", lambda newest: step_objects(catalog, newest))
+        chosen = recovery.newest("restore")
     else:
         chosen = ranks.on_every_rank("restore", choose)[0]  # rank 0's answer, for every rank
     what = f"restore of step {chosen}"

@@ -27,7 +27,6 @@ from ..errors import BadInputError, CorruptError, NotFoundError, require_int
 from ..format import pickled
 from ..format.layout import pack_name
 from ..model import PackRef
-from ..tier.recover import step_objects
 from . import StoreParts, chunks, is_dcp_step
 from . import metadata as plain_metadata
 
@@ -99,7 +98,7 @@ class StoreReader(StorageReader):
         node's catalog first, and the newest step is the newest the job can assemble."""
         self._recovery.share_manifests("dcp.load")
         if self.step is None:
-            return self._recovery.newest("dcp.load", lambda step: step_objects(self.store.catalog, step))
+            return self._recovery.newest("dcp.load")
         return self._resolve_step()
 
     def _described(self, step: int) -> tuple[dict, dict]:

@@ -26,20 +26,20 @@ order, each a blocking send matched by a receive, so no pair waits on another.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..auxfiles import file_key
 from ..catalog import Catalog, sync
+from ..commit import ranks
 from ..errors import CkptStoreError, CorruptError, NotFoundError
 from ..format import codec, layout, manifest, pack
 from ..model import layers_by_source
 from ..objects import ObjectStore
 from ..objects.tiered import share_name
 from . import p2p
-from .replicas import REPLICAS, _names, held_records, replicas_name
+from .replicas import REPLICAS, held_records, parse_names, replicas_name
 from .upload import read_share, share_lists, uploaded_name, uploaded_steps
 
 log = logging.getLogger("ckptstore")
@@ -87,8 +87,6 @@ class Recovery:
     """A restore's collective reads from peers (the module's steps), for one rank of the job."""
 
     def __init__(self, local: ObjectStore, objects: ObjectStore, catalog: Catalog) -> None:
-        from ..commit import ranks
-
         ranks.use_commit_group()  # p2p on a gloo group of its own, whatever the default one is
         self.local, self.objects, self.catalog = local, objects, catalog
         self.rank, self.size = ranks.world()
@@ -102,8 +100,6 @@ class Recovery:
     def share_manifests(self, what: str) -> None:
         """Step 1 of the module: every manifest any rank's tier holds, in every rank's tier
         and catalog; this rank's lost share lists of steps not uploaded, back in its tier."""
-        from ..commit import ranks
-
         gathered = ranks.on_every_rank(what, self._inventory)
         self._uploaded = set().union(*(set(inventory["uploaded"]) for inventory in gathered))
         manifests: dict[str, tuple[int, list[int]]] = {}
@@ -145,26 +141,26 @@ class Recovery:
 
     def _inventory(self) -> dict:
         local = self.local
-        found = {info.name: info.size for info in local.list(layout.MANIFESTS)}
         return {
-            "manifests": {name: size for name, size in found.items() if layout.parse_manifest_name(name)},
+            "manifests": {
+                info.name: info.size
+                for info in local.list(layout.MANIFESTS)
+                if layout.parse_manifest_name(info.name)
+            },
             "uploaded": sorted(uploaded_steps(local)),
             "shares": share_lists(local),
             "replicas": held_records(local),
         }
 
-    def newest(self, what: str, needs: Callable[[int], dict[str, int]]) -> int:
-        """Step 2 of the module: the newest step the job can assemble; ``needs(step)`` names
-        every object that step reads. NotFoundError if there is none."""
-        from ..commit import ranks
-
+    def newest(self, what: str) -> int:
+        """Step 2 of the module: the newest step the job can assemble. NotFoundError if there is none."""
         offline = getattr(self.objects, "offline", False)
         candidates = ranks.on_rank_zero(what, lambda: sorted(self.catalog.steps(), reverse=True))
         passed = []
         for step in candidates:
             if step not in self._tiers_have or (step in self._uploaded and not offline):
                 break  # in the remote store: whatever no tier holds is read from there
-            names = sorted(ranks.on_rank_zero(what, lambda step=step: needs(step)))
+            names = sorted(ranks.on_rank_zero(what, lambda step=step: step_objects(self.catalog, step)))
             lacking = ranks.on_every_rank(
                 what, lambda names=names: np.packbits([not self.local.exists(n) for n in names]).tobytes()
             )
@@ -189,8 +185,6 @@ class Recovery:
         """Step 3 of the module: every object of ``reads`` (name -> size: what this rank's read
         of ``step`` touches) and of its lost shares that a rank of the job holds, in this
         rank's tier; where its bytes come from. Collective."""
-        from ..commit import ranks
-
         at_hand: dict[str, int] = {}
 
         def lacking_here() -> dict[str, int]:
@@ -320,7 +314,7 @@ def intact(name: str, sent_as: str, data: bytes, objects: ObjectStore) -> str | 
             if manifest.decode(data, content_hash, name).step != step[0]:
                 return f"is corrupt: it describes another step than {step[0]}"
         elif sent_as.startswith(REPLICAS):
-            shared = _names(data, sent_as)
+            shared = parse_names(data, sent_as)
             if not isinstance(shared, dict) or not all(
                 isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shared.values()
             ):

@@ -103,13 +103,15 @@ def replicate(
     report = ReplicaReport(step)
     for send_to, receive_from in zip(peers.send_to, peers.receive_from, strict=True):
         link = _Link(send_to, receive_from, group)
-        theirs = _names(link.exchange(json.dumps(share, sort_keys=True).encode()), f"rank {receive_from}")
+        theirs = parse_names(
+            link.exchange(json.dumps(share, sort_keys=True).encode()), f"rank {receive_from}"
+        )
         if not isinstance(theirs, dict) or not all(
             isinstance(size, int) and 0 <= size <= knobs.MAX_BYTES for size in theirs.values()
         ):
             raise CorruptError(f"rank {receive_from} sent a share without the size of each object")
         wanted = [name for name in theirs if not local.exists(name)]
-        asked = list(_names(link.exchange(json.dumps(wanted).encode()), f"rank {send_to}"))
+        asked = list(parse_names(link.exchange(json.dumps(wanted).encode()), f"rank {send_to}"))
         if not set(asked) <= set(share):
             raise CorruptError(f"rank {send_to} asked for objects not in step {step}'s share of rank {rank}")
         for i in range(max(len(asked), len(wanted))):
@@ -143,7 +145,7 @@ def held_records(local: ObjectStore) -> list[tuple[int, int, int]]:
 
 def read_held(local: ObjectStore, step: int, rank: int) -> dict[str, int]:
     """The objects ``local`` keeps of rank ``rank``'s share of ``step`` (name -> size)."""
-    names = _names(local.get(replicas_name(step, rank)), f"{local.uri}/{replicas_name(step, rank)}")
+    names = parse_names(local.get(replicas_name(step, rank)), f"{local.uri}/{replicas_name(step, rank)}")
     if not isinstance(names, dict):
         raise CorruptError(
             f"{local.uri}/{replicas_name(step, rank)} is not a list of objects with their sizes"
@@ -165,7 +167,7 @@ def replicated_steps(local: ObjectStore, shares: list[tuple[int, int]]) -> set[i
     return {step for step in steps if all((s, rank) in marked for s, rank in shares if s == step)}
 
 
-def _names(data: bytes, sender: str) -> dict[str, int] | list[str]:
+def parse_names(data: bytes, sender: str) -> dict[str, int] | list[str]:
     """A peer's list of object names (or names with sizes), each a pack, blob or file name."""
     try:
         names = json.loads(data)
