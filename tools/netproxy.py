@@ -207,10 +207,12 @@ class _Connection:
                     break
                 if not bucket.take(len(data), self.alive):
                     break
-                dst.sendall(data)
+                # Counted before it is passed on: a client that has read a reply whole then
+                # finds every byte of it counted (after, the count could lag what it read).
                 self.proxy._count(direction, len(data))
                 if direction == "up":
                     self._seen = self.proxy._note_requests(self._seen, data)
+                dst.sendall(data)
         except OSError:
             self.kill()
         finally:
