@@ -236,7 +236,7 @@ class Proxy:
     ``rate`` is bytes per second per direction (None: unthrottled), shared by all connections.
     ``start()`` binds and returns once connections are accepted; ``stop()`` resets every open
     connection and returns once every thread of the proxy has ended. Usable as a context manager.
-    ``bytes_up`` / ``bytes_down`` count bytes delivered client->server / server->client (HTTP
+    ``bytes_up`` / ``bytes_down`` count bytes forwarded client->server / server->client (HTTP
     headers included); ``requests`` lists the HTTP requests sent through it, ``"GET /bucket/key"``.
     """
 
