@@ -74,3 +74,94 @@ def same_order(one: dict, other: dict) -> bool:
     if in_logical_order(one) and in_logical_order(other):
         return True
     return split_of(one) == split_of(other)
+
+
+def description_problem(description: object) -> str | None:
+    """What is wrong with the model parallelism a step's ``description`` (plain JSON data)
+    gives the code that lays it out, or None: every parameter's ``split`` (an ``int`` dim
+    within its shape, sizes of at least one slice, non-negative, adding up to that dim) and
+    ``model_parallel`` (its degree, each rank's part numbered in order with a slice that
+    every split parameter it holds has, layer files that are plain file names). Checked as a
+    manifest is decoded, so a bad value is a corrupt step rather than an error deep in a read."""
+    if not isinstance(description, dict):
+        return None  # not this check's to say (the manifest's own parse refuses it)
+    params = description.get("params")
+    params = params if isinstance(params, dict) else {}
+    slices: dict[str, int] = {}  # split parameter -> its number of slices
+    for name, info in params.items():
+        split = info.get("split") if isinstance(info, dict) else None
+        if split is None:
+            continue
+        shape = info.get("shape")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+            return f"parameter {name!r} has a split but no valid shape"
+        dim = split.get("dim") if isinstance(split, dict) else None
+        if not _count(dim) or dim >= len(shape):
+            return f"parameter {name!r} of shape {shape} is split along no dimension of it ({split!r:.80})"
+        sizes = split.get("sizes")
+        if not isinstance(sizes, list) or not sizes or not all(_count(s) for s in sizes):
+            return f"parameter {name!r} has a split without valid slice sizes ({split!r:.80})"
+        if sum(sizes) != shape[dim]:
+            return (
+                f"parameter {name!r}: its slices add up to {sum(sizes)}, not its dimension {dim} of {shape}"
+            )
+        slices[name] = len(sizes)
+    parallel = description.get("model_parallel")
+    if parallel is None:
+        return None
+    degree = parallel.get("size") if isinstance(parallel, dict) else None
+    if not _count(degree) or degree < 1:
+        return f"its model-parallel degree is not a positive integer ({parallel!r:.80})"
+    if "ranks" not in parallel:
+        return _part_problem(parallel, degree, None, list(params), slices)
+    ranks = parallel["ranks"]
+    if not isinstance(ranks, list) or len(ranks) != degree:
+        return f"it describes other than {degree} model-parallel ranks"
+    for index, own in enumerate(ranks):
+        part = own.get("model_parallel") if isinstance(own, dict) else None
+        held = own.get("params") if isinstance(own, dict) else None
+        if not isinstance(held, list) or not all(isinstance(n, str) and n in params for n in held):
+            return f"model-parallel rank {index} holds parameters the step does not describe"
+        if (problem := _part_problem(part, degree, index, held, slices)) is not None:
+            return problem
+    return None
+
+
+def _part_problem(
+    part: object, degree: int, index: int | None, held: list, slices: dict[str, int]
+) -> str | None:
+    """``description_problem`` of one model-parallel rank's ``model_parallel`` part."""
+    if not isinstance(part, dict):
+        return f"model-parallel rank {index} has no part"
+    rank = part.get("rank")
+    if (
+        not _count(rank)
+        or rank >= degree
+        or (index is not None and rank != index)
+        or part.get("size") != degree
+    ):
+        return f"model-parallel rank {index} is numbered {rank!r} of {part.get('size')!r}, not of {degree}"
+    where = part.get("slice", 0)
+    if not _count(where) or any(where >= slices[name] for name in held if name in slices):
+        return f"model-parallel rank {rank} holds slice {where!r}, which a parameter it holds has not"
+    files = part.get("layer_files", [])
+    if not isinstance(files, list) or not all(
+        isinstance(entry, list) and len(entry) == 2 and _file_name(entry[0]) and isinstance(entry[1], list)
+        and all(isinstance(k, list) and len(k) == 2 and all(isinstance(s, str) for s in k) for k in entry[1])
+        for entry in files
+    ):  # fmt: skip
+        return f"model-parallel rank {rank} names layer files that are no plain file names"
+    return None
+
+
+def _count(value: object) -> bool:
+    """A non-negative ``int`` (JSON's ``true`` is no number here)."""
+    return type(value) is int and value >= 0
+
+
+def _file_name(name: object) -> bool:
+    """A name that stays in the checkpoint folder it is written to."""
+    return (
+        isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+        and "\0" not in name
+    )  # fmt: skip

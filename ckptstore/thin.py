@@ -172,7 +172,8 @@ def _thin_pack(objects: ObjectStore, ref: PackRef, masters: set[str], dry_run: b
     data = memoryview(objects.get(pack_name(ref.key)))
     kept = [
         e
-        for e in pack.parse_index(data, ref.key, content_hash=objects.content_hash)
+        # Its entries' headers held to the layer index's size before any is decoded.
+        for e in pack.whole_index(data, ref.key, ref.raw_size, objects.content_hash)
         if is_weight(e.name, e.kind, masters)
     ]
     if not kept:

@@ -245,6 +245,25 @@ def test_the_clean_store_reads_within_the_same_bound(clean_store, readers, tmp_p
         assert result["rc"] == 0 and result["grown_kb"] < MAX_GROWTH_KB, (command, result)
 
 
+def test_recoverys_check_of_a_bomb_pack_from_a_peer_allocates_no_more_than_of_the_honest_pack(
+    clean_store, readers, tmp_path
+):
+    """A peer sends 1 GiB of declared zeros under a real pack's name (its key covers the index,
+    not the entries' headers): the check holds them to the catalog's sizes before decompressing."""
+    honest, ref = first_pack(clean_store)
+    root = tmp_path / "store"
+    shutil.copytree(clean_store, root)
+    blob_header_bomb(root)
+    bomb = root / pack_name(ref.key)
+    assert bomb.stat().st_size < 128 * 1024
+    name, step = pack_name(ref.key), str(STEP)
+    checked = probe(readers, clean_store, "intact", name, str(honest), step)
+    refused = probe(readers, clean_store, "intact", name, str(bomb), step)
+    assert checked["rc"] == 0, checked
+    assert refused["rc"] == CorruptError.exit_code and "its referrer records" in refused["out"], refused
+    assert refused["grown_kb"] < checked["grown_kb"] + MAX_GROWTH_KB, (checked, refused)
+
+
 @pytest.mark.parametrize("bomb", ["manifest", "layer index"])
 def test_on_s3_a_bombed_manifest_stops_log_without_allocating(clean_store, readers, tmp_path, s3, bomb):
     """On S3 every reader imports manifests into its cache: ``log`` of a fresh cache reads them."""

@@ -152,3 +152,70 @@ def test_a_deletion_record_round_trips_and_with_a_key_binds_its_name():
     )
     with pytest.raises(CorruptError, match="malformed"):
         deletions.decode(bad, PLAIN, name)
+
+
+def tensor_parallel(change=None) -> bytes:
+    """A manifest of step 6 whose description is a two-way tensor-parallel step's (its shape
+    as ``combine`` writes it), after ``change(description)``."""
+    import json
+
+    own = {"module_keys": [], "aliases": {}, "groups": [], "model_state": {}, "optimizer_state": {}}
+    description = {
+        "flavour": "zero12", "zero_stage": 1, "world_size": 1, "bf16": False, "module_keys": [], "aliases": {},
+        "params": {"w": {"shape": [4, 6], "split": {"dim": 1, "sizes": [3, 3]}}, "b": {"shape": [4]}},
+        "model_parallel": {"size": 2, "pipeline": False, "ranks": [
+            {**own, "params": ["w", "b"], "model_parallel": {"rank": r, "size": 2, "pipeline": False, "slice": r}}
+            for r in range(2)
+        ]},
+    }  # fmt: skip
+    if change is not None:
+        change(description)
+    return manifest.encode(dataclasses.replace(example(), description=json.dumps(description)))
+
+
+def _split(**values):
+    return lambda d: d["params"]["w"]["split"].update(values)
+
+
+def _part(**values):
+    return lambda d: d["model_parallel"]["ranks"][1]["model_parallel"].update(values)
+
+
+MALFORMED_MODEL_PARALLEL = {
+    "dim past the shape": _split(dim=7),
+    "negative dim": _split(dim=-1),
+    "dim as text": _split(dim="0"),
+    "dim true": _split(dim=True),
+    "no sizes": _split(sizes=[]),
+    "sizes not a list": _split(sizes=3),
+    "a negative size": _split(sizes=[7, -1]),
+    "a size as text": _split(sizes=[3, "3"]),
+    "sizes not adding up": _split(sizes=[3, 4]),
+    "split not an object": lambda d: d["params"]["w"].update(split=[1, [3, 3]]),
+    "split without a shape": lambda d: d["params"]["w"].pop("shape"),
+    "slice past the sizes": _part(slice=2),
+    "slice negative": _part(slice=-1),
+    "slice as text": _part(slice="1"),
+    "rank out of order": _part(rank=0),
+    "rank of another degree": _part(size=3),
+    "degree zero": lambda d: d["model_parallel"].update(size=0),
+    "degree as text": lambda d: d["model_parallel"].update(size="2"),
+    "fewer ranks than the degree": lambda d: d["model_parallel"]["ranks"].pop(),
+    "a rank holding an undescribed parameter": lambda d: d["model_parallel"]["ranks"][0]["params"].append(
+        "x"
+    ),
+    "a layer file outside the folder": _part(layer_files=[["../../x-model_states.pt", []]]),
+}
+
+
+def test_a_tensor_parallel_manifest_decodes():
+    import json
+
+    record = manifest.decode(tensor_parallel())
+    assert json.loads(record.description)["params"]["w"]["split"] == {"dim": 1, "sizes": [3, 3]}
+
+
+@pytest.mark.parametrize("malformed", MALFORMED_MODEL_PARALLEL)
+def test_a_manifest_with_a_malformed_model_parallel_value_is_corrupt_naming_its_step(malformed):
+    with pytest.raises(CorruptError, match="step 6"):
+        manifest.decode(tensor_parallel(MALFORMED_MODEL_PARALLEL[malformed]))

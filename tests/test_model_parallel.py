@@ -4,7 +4,9 @@ The jobs run under ``torch.distributed.run`` (gloo on CPU) in tests/model_parall
 one job runs every configuration, since each start costs a fresh interpreter per rank.
 """
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +230,41 @@ def test_an_attached_pipeline_keeps_the_client_state_not_a_layer_file_for_it(tmp
     assert model_state["epoch"] == 7 and "fc.weight" not in model_state
     assert sorted(store.sources(step)) == ["1", "2", "tied_modules.embed"]
     destroy_engine(engine)
+
+
+BAD_SPLITS = {
+    "dim past the shape": {"dim": 7, "sizes": [1, 1]},
+    "no sizes": {"dim": 0, "sizes": []},
+    "dim as text": {"dim": "0", "sizes": None},
+    "a negative size": {"dim": 0, "sizes": None},
+}
+
+
+def test_materialize_and_export_of_a_step_whose_manifest_has_a_malformed_split_exit_4_naming_it(
+    run, tmp_path
+):
+    """A malformed tensor-parallel ``split`` is a corrupt step, not an internal error or a silent export."""
+    from ckptstore.format import manifest
+    from ckptstore.format.layout import manifest_name
+
+    engine = build_engine("gpt2", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    clean = tmp_path / "clean"
+    ckptstore.open(clean).commit(engine, step=3)
+    destroy_engine(engine)
+    for bad, split in BAD_SPLITS.items():
+        root = tmp_path / bad.replace(" ", "-")
+        shutil.copytree(clean, root)
+        path = root / manifest_name(3)
+        record = manifest.decode(path.read_bytes())
+        description = json.loads(record.description)
+        name, info = next((n, i) for n, i in description["params"].items() if len(i["shape"]) == 2)
+        rows = info["shape"][0]
+        sizes = {"dim as text": [rows], "a negative size": [rows + 1, -1]}.get(bad, split["sizes"])
+        info["split"] = {**split, "sizes": sizes}
+        path.write_bytes(manifest.encode(dataclasses.replace(record, description=json.dumps(description))))
+        (root / "catalog.db").unlink()  # rebuilt from the manifests: the step's record is read again
+        for command in ("materialize", "export"):
+            result = run("--store", root, command, "--step", 3, tmp_path / f"out-{command}-{root.name}")
+            assert result.returncode == 4, (bad, command, result)
+            assert "step 3" in result.stderr and "Traceback" not in result.stderr, (bad, command, result)
+            assert not (tmp_path / f"out-{command}-{root.name}").exists()

@@ -222,10 +222,13 @@ def test_a_peers_object_is_taken_only_if_it_hashes_to_its_name(tmp_path):
     key, parts, _ = pack.encode_parts([("w", "fp32", 0, torch.arange(8.0))])
     data = b"".join(bytes(part) for part in parts)
     name = pack_name(key)
-    assert intact(name, name, data, objects) is None
+    assert intact(name, name, data, objects, 32) is None  # the 32 bytes of tensors its catalog records
     damaged = bytearray(data)
     damaged[-3] ^= 0xFF
-    assert "corrupt" in intact(name, name, bytes(damaged), objects)
+    assert "corrupt" in intact(name, name, bytes(damaged), objects, 32)
+    # the sizes bound the decode: another size, or none recorded, and nothing is decompressed
+    assert "referrer records 16" in intact(name, name, data, objects, 16)
+    assert "records no size" in intact(name, name, data, objects)
     assert "corrupt" in intact(file_name("0" * 32), file_name("0" * 32), b"not it", objects)
     share = json.dumps({name: len(data)}).encode()
     assert intact(share_name(4, 1), replicas_name(4, 1), share, objects) is None  # a replica record
@@ -247,3 +250,49 @@ def test_a_peers_replicas_of_a_step_this_node_has_no_manifest_of_follow_local_ke
     newer = hold(6, b"six")
     prune(local, keep=1)
     assert local.exists(newer) and not local.exists(older) and not local.exists(replicas_name(5, 0))
+
+
+def _replicate_planted(rank: int, port: int, root: str, queue) -> None:
+    """One of two ranks (one node each): rank 1's tier holds a pack whose bytes are not what
+    its name says (its index changed after the key was taken) and sends it as its share."""
+    import torch.distributed as dist
+
+    from ckptstore.tier.replicas import replicate
+
+    os.environ["CKPTSTORE_PEER_TIMEOUT"] = "5"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    local = LocalObjectStore(Path(root) / f"tier{rank}", create=True)
+    share = {}
+    if rank == 1:
+        key, parts, _ = pack.encode_parts([("w", "fp32", 0, torch.arange(8.0))])
+        data = b"".join(bytes(part) for part in parts).replace(b'"w"', b'"v"')  # another tensor's name
+        local.put_if_absent(pack_name(key), data)
+        share = {pack_name(key): len(data)}
+    try:
+        replicate(local, 5, rank, share, Peers([1 - rank], [1 - rank]), dist.group.WORLD)
+        outcome = "replicated"
+    except Exception as exc:  # noqa: BLE001 - what each rank saw goes back to the test
+        outcome = f"{type(exc).__name__}: {exc}"
+    tier = Path(root) / f"tier{rank}"
+    queue.put((rank, outcome, sorted(p.relative_to(tier).as_posix() for p in tier.rglob("*") if p.is_file())))
+    dist.destroy_process_group()
+
+
+def test_a_peers_object_that_does_not_hash_to_its_name_is_not_kept(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    queue, port = context.Queue(), free_port()
+    procs = [context.Process(target=_replicate_planted, args=(r, port, str(tmp_path), queue)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    seen = {rank: (outcome, names) for rank, outcome, names in (queue.get(timeout=300) for _ in procs)}
+    for proc in procs:
+        proc.join(60)
+    outcome, names = seen[0]
+    assert outcome.startswith(
+        "CorruptError: rank 1 sent 1 objects of step 5 that are not what their names say"
+    )
+    assert not any(name.startswith(("packs/", "tier/replicas/")) for name in names), names
+    assert seen[1][0] != "replicated"  # nobody said it was durable: the share is not marked
+    assert "tier/replicated/000000000005/1" not in seen[1][1]

@@ -24,7 +24,7 @@ import struct
 
 import zstandard
 
-from .. import knobs
+from .. import knobs, tensorsplit
 from ..errors import CorruptError, clip
 from ..hashing import PLAIN, ContentHash
 from ..model import BlobRow, FileRow, StepRecord, TensorRow
@@ -174,6 +174,9 @@ def _unwrap(data: bytes) -> tuple[dict, bytes]:
 
 def _record(body: dict, indexes: bytes, lazy: bool = False) -> StepRecord:
     step = int(body["step"])
+    # The model-parallel layout is indexes and sizes the reading code slices tensors by.
+    if (problem := tensorsplit.description_problem(body["description"])) is not None:
+        raise CorruptError(f"malformed manifest: step {step}: {clip(problem, 300)}")
     sources = {str(layer): int(source) for layer, source in body["layers"]}
     packs, position = {}, 0
     numels = layerpacks.numels(body["description"]) if body.get("packs") else None

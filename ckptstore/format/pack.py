@@ -260,6 +260,39 @@ def decode(
     headers must declare that much together before any is decoded.
     """
     view = memoryview(data)
+    return [
+        (entry, decode_entry(view[entry.offset :], entry, content_hash=content_hash))
+        for entry in whole_index(view, key, raw_size, content_hash)
+    ]
+
+
+def check(data: bytes | memoryview, key: str, raw_size: int, content_hash: ContentHash = PLAIN) -> None:
+    """``decode`` for its checks alone: CorruptError unless every entry of the whole pack
+    ``data`` hashes to its key and the index to ``key``, its entries declaring ``raw_size``
+    bytes together (what its referrer records, checked before anything is decompressed).
+    Holds one entry's tensor at a time."""
+    view = memoryview(data)
+    for entry in whole_index(view, key, raw_size, content_hash):
+        decode_entry(view[entry.offset :], entry, content_hash=content_hash)
+
+
+def check_layout(data: bytes | memoryview, key: str, content_hash: ContentHash = PLAIN) -> None:
+    """What of the whole pack ``data`` can be checked with no size of its tensors at hand,
+    decompressing nothing: its index hashes to ``key``, its entries lie end to end to its last
+    byte, each behind a blob header that parses. CorruptError otherwise. Its entries'
+    contents are left to a read that knows their sizes (``check``, ``decode``)."""
+    view = memoryview(data)
+    for entry in whole_index(view, key, None, content_hash):
+        codec.parse_header(view[entry.offset : entry.offset + entry.length])
+
+
+def whole_index(
+    view: bytes | memoryview, key: str | None, raw_size: int | None, content_hash: ContentHash = PLAIN
+) -> list[Entry]:
+    """The entries of the whole pack ``view`` (``parse_index``'s checks, with ``key``), which must
+    end after its last; with ``raw_size`` (what its referrer records), its entries' headers
+    must declare that many bytes together. Nothing is decompressed. CorruptError otherwise."""
+    view = memoryview(view)
     entries = parse_index(view, key, content_hash=content_hash)
     end = entries[-1].offset + entries[-1].length if entries else PREAMBLE.size + index_length(view)
     if len(view) != end:
@@ -270,6 +303,4 @@ def decode(
             raise CorruptError(
                 f"pack entries declare {declared} bytes of tensors, its referrer records {raw_size}"
             )
-    return [
-        (entry, decode_entry(view[entry.offset :], entry, content_hash=content_hash)) for entry in entries
-    ]
+    return entries

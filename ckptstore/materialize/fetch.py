@@ -51,8 +51,12 @@ def fetch_blob(
 
     Many threads may fetch while only as many as there are slots decode. A local read is a
     copy out of the page cache, CPU work like decoding, so it holds the slot too; a network
-    read waits outside it. Raises NotFoundError (no such blob) or CorruptError.
+    read waits outside it. Raises NotFoundError (no such blob) or CorruptError, also when
+    ``raw_size`` is None: a blob the catalog records no size of is not decoded at whatever
+    size its header declares.
     """
+    if raw_size is None:
+        raise CorruptError(f"blob {key}: the catalog records no size to decode it within")
     if objects.reads_are_local:
         with cpu:
             return codec.decode(objects.get(blob_name(key)), key, raw_size, objects.content_hash)

@@ -18,6 +18,10 @@ these collective steps, every rank together, before it reads (``Recovery``):
    its content key (packs, blobs and files; manifests against their tag in a keyed store)
    before writing it to its tier; a corrupt or missing one is asked of the next holder, then
    left to the remote store. Where the rank's bytes came from is returned (``Sources``).
+   A pack or blob is decoded for that check only within the sizes this rank's catalog
+   records for it (``recorded_raw_sizes``), never what its own headers declare: a pack's key
+   covers its index, not its entries' headers, so a few KB under a real pack's name could
+   otherwise declare gigabytes. One the catalog records no size of is not taken.
 
 Every rank computes the same transfers from what was gathered, and runs them in the same
 order, each a blocking send matched by a receive, so no pair waits on another.
@@ -26,6 +30,7 @@ order, each a blocking send matched by a receive, so no pair waits on another.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,6 +99,7 @@ class Recovery:
         self._uploaded: set[int] = set()
         self._tiers_have: set[int] = set()  # steps whose manifest some rank's tier holds
         self._lost_shares: list[int] = []  # steps of this rank's own share it took back
+        self._raw_sizes: dict[str, int] = {}  # what bounds the check of a pack or blob received
         #: Where this rank's read found its bytes (``fetch``).
         self.sources: Sources | None = None
 
@@ -192,7 +198,9 @@ class Recovery:
             for lost in self._lost_shares:
                 wanted.update(read_share(self.local, lost, self.rank))
             at_hand.update((name, size) for name, size in wanted.items() if self.local.exists(name))
-            return {name: size for name, size in wanted.items() if name not in at_hand}
+            lacking = {name: size for name, size in wanted.items() if name not in at_hand}
+            self._raw_sizes = recorded_raw_sizes(self.catalog, [step, *self._lost_shares], lacking)
+            return lacking
 
         what = f"restore of step {step}"
         gathered = ranks.on_every_rank(what, lacking_here)
@@ -273,7 +281,9 @@ class Recovery:
                 f"rank {sender} announced {transfer.name} as {length} bytes, not {transfer.size}"
             )
         data = p2p.receive_bytes(length, sender, self.group)
-        problem = intact(transfer.keep_as, transfer.name, data, self.objects)
+        problem = intact(
+            transfer.keep_as, transfer.name, data, self.objects, self._raw_sizes.get(transfer.keep_as)
+        )
         if problem is None:
             try:
                 self.local.put_if_absent(transfer.keep_as, data)
@@ -285,28 +295,62 @@ class Recovery:
 def step_objects(catalog: Catalog, step: int) -> dict[str, int]:
     """Every stored object ``step`` reads (name -> stored size): the packs and blobs of each
     layer at the step that saved it, whichever front door committed it."""
+    return {name: size for name, (size, _) in _step_sizes(catalog, step).items()}
+
+
+def recorded_raw_sizes(catalog: Catalog, steps: list[int], names: Iterable[str]) -> dict[str, int]:
+    """The uncompressed size ``catalog`` records for each pack or blob of ``names`` that one of
+    ``steps`` reads (a pack: the bytes of the tensors its layer index gives it; a blob: its
+    size row): what bounds ``intact``'s decode. Steps the catalog lacks are passed over; a
+    name none of them reads is left out. The steps' layer indexes are read only if a pack or
+    blob is named."""
+    wanted = {name for name in names if layout.parse_pack_name(name) or layout.parse_blob_name(name)}
     found: dict[str, int] = {}
+    for step in steps:
+        if wanted <= found.keys():
+            break
+        try:
+            sizes = _step_sizes(catalog, step)
+        except NotFoundError:  # a lost share of a step no tier holds a manifest of
+            continue
+        found.update((name, sizes[name][1]) for name in wanted & sizes.keys())
+    return found
+
+
+def _step_sizes(catalog: Catalog, step: int) -> dict[str, tuple[int, int]]:
+    """``step_objects`` with each object's recorded uncompressed size: name -> (stored, raw)."""
+    found: dict[str, tuple[int, int]] = {}
     for source, layers in layers_by_source(catalog.sources(step)).items():
         packed = set()
         for index in catalog.layer_packs(source, layers):
             packed.add(index.layer)
-            found.update((layout.pack_name(ref.key), ref.size) for ref in index.packs)
+            found.update((layout.pack_name(ref.key), (ref.size, ref.raw_size)) for ref in index.packs)
         rows = catalog.tensors(source, [layer for layer in layers if layer not in packed])
         sizes = catalog.blob_sizes({row.blob for row in rows})
-        found.update((layout.blob_name(key), size.size) for key, size in sizes.items())
+        found.update((layout.blob_name(key), (size.size, size.raw_size)) for key, size in sizes.items())
     return found
 
 
-def intact(name: str, sent_as: str, data: bytes, objects: ObjectStore) -> str | None:
+def intact(
+    name: str, sent_as: str, data: bytes, objects: ObjectStore, raw_size: int | None = None
+) -> str | None:
     """None if ``data`` is what ``name`` must hold (``sent_as`` at the sender: a peer's replica
     record is this rank's share list), checked against its content key (a pack's every
-    entry, a blob, a file; a manifest's tag in a keyed store); else what is wrong."""
+    entry, a blob, a file; a manifest's tag in a keyed store); else what is wrong.
+
+    ``raw_size``: the uncompressed size the catalog records for a pack or blob
+    (``recorded_raw_sizes``). Its headers must declare exactly that before anything is
+    decompressed, so a crafted object costs at most what the honest one would; a pack or
+    blob without it is refused unread."""
     content_hash = objects.content_hash
+    packed, blob = layout.parse_pack_name(name), layout.parse_blob_name(name)
+    if (packed is not None or blob is not None) and raw_size is None:
+        return "is not taken: the catalog records no size to check it against"
     try:
-        if (key := layout.parse_pack_name(name)) is not None:
-            pack.decode(data, key, None, content_hash)
-        elif (key := layout.parse_blob_name(name)) is not None:
-            codec.decode(data, key, None, content_hash)
+        if packed is not None:
+            pack.check(data, packed, raw_size, content_hash)
+        elif blob is not None:
+            codec.decode(data, blob, raw_size, content_hash)
         elif (key := layout.parse_file_name(name)) is not None:
             if file_key(data, content_hash) != key:
                 return "is corrupt: its content does not hash to its key"

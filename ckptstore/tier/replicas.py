@@ -10,6 +10,9 @@ durable, as a commit writes it: objects are named by content, so one it holds is
 and records what it holds for whom (``tier/replicas/<step>/<rank>.json``); the sender marks
 its share replicated (``tier/replicated/<step>/<rank>``) once every peer has said it is
 durable. A replica is trusted no more than any object: a read verifies each piece's content key.
+The peer checks each object against its name before keeping it, as far as the share list's
+stored sizes allow without decompressing anything (``check_replica``); a share with an object
+that fails is not kept whole, so not marked.
 
 Every rank runs the same replications in the same order (one per commit), so each pair of
 ranks meets in step; with one rank per node, or one node, there is no peer and nothing to do.
@@ -24,8 +27,10 @@ import socket
 from dataclasses import dataclass
 
 from .. import knobs
-from ..errors import CorruptError
-from ..format import layout
+from ..auxfiles import file_key
+from ..errors import CkptStoreError, CorruptError, clip
+from ..format import layout, pack
+from ..hashing import ContentHash
 from ..objects import ObjectStore
 from . import p2p
 
@@ -114,6 +119,7 @@ def replicate(
         asked = list(parse_names(link.exchange(json.dumps(wanted).encode()), f"rank {send_to}"))
         if not set(asked) <= set(share):
             raise CorruptError(f"rank {send_to} asked for objects not in step {step}'s share of rank {rank}")
+        refused = []
         for i in range(max(len(asked), len(wanted))):
             data = local.get(asked[i]) if i < len(asked) else None
             receiving = i < len(wanted)
@@ -122,14 +128,44 @@ def replicate(
                 report.sent_objects += 1
                 report.sent_bytes += len(data)
             if received is not None:
+                if (problem := check_replica(wanted[i], received, local.content_hash)) is not None:
+                    refused.append(f"{wanted[i]} {problem}")
+                    continue  # the exchange goes on in step: this rank's own share still goes out
                 local.put_if_absent(wanted[i], received)
                 report.received_objects += 1
                 report.received_bytes += len(received)
+        if refused:
+            # No record and no word that it is durable: the sender's wait for that times out,
+            # and its share is not marked replicated.
+            raise CorruptError(
+                f"rank {receive_from} sent {len(refused)} objects of step {step} that are not what "
+                f"their names say (not kept): {refused[0]}"
+            )
         local.delete(replicas_name(step, receive_from))  # a failed try of the same step may have left one
         local.put_if_absent(replicas_name(step, receive_from), json.dumps(theirs, sort_keys=True).encode())
         link.exchange(b"durable")  # said once the replicas (and their list) are durable here
     local.put_if_absent(replicated_name(step, rank), b"")
     return report
+
+
+def check_replica(name: str, data: bytes, content_hash: ContentHash) -> str | None:
+    """None if ``data`` may be kept as ``name``, a peer's replica; else what is wrong with it.
+    A file must hash to its key; a pack's index must hash to its key and account for every
+    byte (``pack.check_layout``). Nothing is decompressed: the share list records stored
+    sizes only, and a pack's headers could declare gigabytes. Its entries are verified by
+    every read, and by a recovery's check (``recover.intact``), within the catalog's sizes.
+    A blob is no part of a share (format 1 only)."""
+    try:
+        if (key := layout.parse_pack_name(name)) is not None:
+            pack.check_layout(data, key, content_hash)
+        elif (key := layout.parse_file_name(name)) is not None:
+            if file_key(data, content_hash) != key:
+                return "does not hash to its key"
+        else:
+            return "is no pack or file of a share"
+    except CkptStoreError as exc:
+        return f"is corrupt ({clip(str(exc))})"
+    return None
 
 
 def held_records(local: ObjectStore) -> list[tuple[int, int, int]]:
