@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 import threading
+import warnings
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 import ckptstore
 from ckptstore.catalog.sync import cache_path
+from ckptstore.errors import CorruptError
 from ckptstore.format.layout import manifest_name, pack_name
+from ckptstore.integrations.dcp import StoreWriter
 from tools.engines import batches, build_engine, train
 
 DATA = batches(4)
@@ -187,3 +193,99 @@ def test_verify_beside_a_gc_reports_only_what_is_still_wrong_when_it_ends(
     assert swept and all(swept)  # each gc really dropped packs verify had been told about
     assert report.passed_on_recheck > 0  # problems were seen on the way, and were gone at the end
     assert store.steps() == [4] and verify(store.objects, store.catalog).ok
+
+
+# -- a damaged catalog is rebuilt at open, or named with its repair; never an internal error --------
+
+
+def save_dcp_steps(path) -> None:
+    """A local store of DCP steps 1-2-3 (no engine to build), its catalog folded into catalog.db."""
+    state = {"model": {f"model.layers.{i}.w": torch.full((8, 4), float(i)) for i in range(3)}, "train": {}}
+    with warnings.catch_warnings(), ckptstore.open(path) as store:
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        for step in (1, 2, 3):
+            state["model"]["model.layers.0.w"] += 1
+            state["train"]["step"] = step
+            dcp.save(state, storage_writer=StoreWriter(store, step=step))
+    assert not (path / "catalog.db-wal").exists()
+
+
+def flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def first_page_of(path, table: str) -> int:
+    """The byte offset of the root page of ``table`` in the catalog file at ``path``."""
+    with sqlite3.connect(path) as db:
+        page_size = db.execute("PRAGMA page_size").fetchone()[0]
+        (page,) = db.execute("SELECT rootpage FROM sqlite_schema WHERE name = ?", [table]).fetchone()
+    db.close()
+    return (page - 1) * page_size
+
+
+def assert_whole(run, store, tmp_path) -> None:
+    """Every step is listed, verify is clean and the newest step materializes."""
+    code, out, err = run("--store", store, "log", "--json")
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in out.splitlines()] == [1, 2, 3]
+    code, out, err = run("--store", store, "verify")
+    assert code == 0 and "clean" in out, err
+    code, _, err = run("--store", store, "materialize", "--step", 3, tmp_path / "out", "--force")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("where", ["header", "listed_steps"])
+def test_a_catalog_damaged_where_the_open_reads_is_rebuilt_at_the_next_open_and_kept_aside(
+    tmp_path, run, where
+):
+    # Offset 20 of the header (the space SQLite reserves per page): SQLite opens the file and
+    # misreads its pages later. listed_steps: every open rewrites it.
+    store = tmp_path / "store"
+    save_dcp_steps(store)
+    catalog = store / "catalog.db"
+    flip(catalog, 20 if where == "header" else first_page_of(catalog, "listed_steps"))
+    damaged = catalog.read_bytes()
+    with ckptstore.open(store, create=False) as opened:
+        assert opened.steps() == [1, 2, 3] and opened.verify().ok
+    [aside] = store.glob("catalog.db.damaged-*")
+    assert aside.read_bytes() == damaged
+    assert_whole(run, store, tmp_path)
+
+
+def test_a_catalog_page_damaged_where_only_a_later_query_reads_is_one_line_naming_catalog_rebuild(
+    tmp_path, run
+):
+    store = tmp_path / "store"
+    save_dcp_steps(store)
+    flip(store / "catalog.db", first_page_of(store / "catalog.db", "layer_packs"))  # its page type
+    for command in (["verify"], ["materialize", "--step", 3, tmp_path / "out"]):
+        code, out, err = run("--store", store, *command)
+        assert code == 4 and out == "", err
+        assert err.startswith(f"error: the catalog {store / 'catalog.db'} is damaged (")
+        assert "`ckptstore catalog rebuild` rebuilds it from the manifests" in err
+        assert len(err.splitlines()) == 1
+    with ckptstore.open(store, create=False) as opened, pytest.raises(CorruptError, match="catalog rebuild"):
+        opened.verify()  # the API raises it too, never a raw sqlite3 error
+    code, out, err = run("--store", store, "catalog", "rebuild")
+    assert code == 0, err
+    assert_whole(run, store, tmp_path)
+
+
+def test_a_step_whose_steps_row_is_gone_while_its_layers_rows_remain_is_imported_again(tmp_path, run):
+    # What a killed writer's log replayed onto another file left: rows of a step without its row.
+    store = tmp_path / "store"
+    save_dcp_steps(store)
+    with ckptstore.open(store, create=False) as opened:
+        sources, files = opened.sources(2), opened.files(2)
+    with sqlite3.connect(store / "catalog.db") as db:
+        db.execute("DELETE FROM steps WHERE step = 2")
+        assert db.execute("SELECT count(*) FROM layers WHERE step = 2").fetchone()[0] > 0
+    db.close()
+    with ckptstore.open(store, create=False) as opened:
+        assert [row.step for row in opened.log()] == [1, 2, 3]
+        assert opened.sources(2) == sources and opened.files(2) == files
+        assert opened.verify().ok
+    assert_whole(run, store, tmp_path)
+    assert not list(store.glob("catalog.db.*"))  # nothing was rebuilt or kept aside

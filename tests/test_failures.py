@@ -19,6 +19,7 @@ import resource
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
 from datetime import timedelta
@@ -291,6 +292,47 @@ def test_a_disk_that_fills_while_packs_are_written_is_a_storage_error_and_commit
     assert "spill pack packs/" in message and str(store) in message
     assert "\n" not in message and len(message) < LONGEST_MESSAGE
     assert_consistent(run, store, [])
+
+
+def test_a_disk_that_fills_before_the_catalog_is_checkpointed_is_never_taken_for_damage(
+    run, committed, engine, tmpfs
+):
+    # Step 2's rows reach the catalog's write-ahead log; the disk fills before SQLite copies them
+    # into catalog.db (when the store closes), so that copy stops after the file's header: the
+    # file is shorter than its header says, and what is missing is in the log. Then a commit
+    # meets the full disk, and the next commands run on it, and after space returns.
+    point = tmpfs("full", "4m")
+    store = copy_store(committed, point / "store")
+    catalog = store / "catalog.db"
+    with ckptstore.open(store, create=False) as opened:
+        opened.commit(engine, step=2)
+        fill(point)
+    header = catalog.read_bytes()[:100]
+    page_size, pages = int.from_bytes(header[16:18], "big"), int.from_bytes(header[28:32], "big")
+    assert pages * page_size > catalog.stat().st_size and (store / "catalog.db-wal").stat().st_size > 0
+    catalog_files = sorted(path.name for path in store.glob("catalog.db*"))
+
+    with ckptstore.open(store, create=False) as opened, pytest.raises(StorageError):
+        opened.commit(engine, step=3)
+    for command in (["log", "--json"], ["verify", "--json"]):
+        result = run("--store", store, *command)
+        assert result.returncode in (0, 1) and "damaged" not in result.stderr, result.stderr
+    assert [
+        json.loads(line)["step"] for line in run("--store", store, "log", "--json").stdout.splitlines()
+    ] == [1, 2]
+    result = run("--store", store, "catalog", "rebuild")
+    assert result.returncode == 7, result.stderr
+    assert "catalog" in one_line(result)
+    # Nothing renamed, no temporary file left, the log kept.
+    assert sorted(path.name for path in store.glob("catalog.db*")) == catalog_files
+
+    for filler in point.glob("filler*"):
+        filler.unlink()
+    assert_consistent(run, store, [1, 2])
+    assert not list(store.glob("catalog.db.*"))
+    with sqlite3.connect(catalog) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    db.close()
 
 
 # -- a read-only store -----------------------------------------------------------------------------

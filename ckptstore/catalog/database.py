@@ -7,6 +7,8 @@ instead of failing, the journal is WAL, and writes take the lock from their firs
 
 Storage faults (a full disk, a read-only mount, permissions) are StorageError, never taken
 for corruption; a catalog that cannot be written is read from an in-memory copy (``snapshot``).
+Damage SQLite meets in the file, wherever a query meets it (a bad page, rows that contradict
+each other), is DamagedCatalogError, never a raw ``sqlite3`` exception.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from sqlite_utils import Database
 
@@ -33,21 +36,138 @@ _STORAGE_CODES = {
     13: "disk full",  # SQLITE_FULL
     14: "cannot be opened",  # SQLITE_CANTOPEN
 }
+# SQLite's result codes that say the file's contents are damaged: a bad page or header
+# (SQLITE_CORRUPT, SQLITE_NOTADB), or a row that a key forbids beside the rows already there
+# (SQLITE_CONSTRAINT_PRIMARYKEY, _UNIQUE): ckptstore writes a step's rows only where none are,
+# so such a clash is left-over rows (a lost steps row, a log replayed onto another file).
+_DAMAGE_CODES = {11, 26}
+_DAMAGE_EXTENDED_CODES = {1555, 2067}
+
+
+class DamagedCatalogError(CorruptError):
+    """The catalog file at ``path`` cannot be used: SQLite found ``reason`` in it. The catalog
+    only indexes the manifests, so the message names the repair (``ckptstore catalog rebuild``);
+    opening a store rebuilds such a file by itself where the open meets the damage."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(
+            f"the catalog {path} is damaged ({clip(reason, 120)}): "
+            "`ckptstore catalog rebuild` rebuilds it from the manifests"
+        )
+        self.path = path
+        self.reason = reason
+
+
+def damage(exc: BaseException) -> bool:
+    """Whether a SQLite error says the catalog file's contents are damaged (``_DAMAGE_CODES``)
+    rather than that the storage failed or the statement is wrong."""
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _DAMAGE_CODES or code in _DAMAGE_EXTENDED_CODES
+    return "malformed" in str(exc) or "not a database" in str(exc)
+
+
+def _raise_if_damage(connection: sqlite3.Connection, exc: sqlite3.DatabaseError) -> None:
+    """Raise DamagedCatalogError naming the connection's file if ``exc`` is damage (``damage``)."""
+    if damage(exc):
+        raise DamagedCatalogError(getattr(connection, "ckptstore_path", "(in memory)"), str(exc)) from None
+
+
+class _Cursor(sqlite3.Cursor):
+    """A cursor that raises DamagedCatalogError where SQLite meets damage: while stepping
+    through rows as well as at ``execute`` (a query reads a damaged page when it reaches it)."""
+
+    def execute(self, *args: Any) -> _Cursor:
+        try:
+            return super().execute(*args)
+        except sqlite3.DatabaseError as exc:
+            _raise_if_damage(self.connection, exc)
+            raise
+
+    def executemany(self, *args: Any) -> _Cursor:
+        try:
+            return super().executemany(*args)
+        except sqlite3.DatabaseError as exc:
+            _raise_if_damage(self.connection, exc)
+            raise
+
+    def executescript(self, *args: Any) -> _Cursor:
+        try:
+            return super().executescript(*args)
+        except sqlite3.DatabaseError as exc:
+            _raise_if_damage(self.connection, exc)
+            raise
+
+    def fetchone(self) -> Any:
+        try:
+            return super().fetchone()
+        except sqlite3.DatabaseError as exc:
+            _raise_if_damage(self.connection, exc)
+            raise
+
+    def fetchmany(self, *args: Any) -> list[Any]:
+        try:
+            return super().fetchmany(*args)
+        except sqlite3.DatabaseError as exc:
+            _raise_if_damage(self.connection, exc)
+            raise
+
+    def fetchall(self) -> list[Any]:
+        try:
+            return super().fetchall()
+        except sqlite3.DatabaseError as exc:
+            _raise_if_damage(self.connection, exc)
+            raise
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except sqlite3.DatabaseError as exc:
+            _raise_if_damage(self.connection, exc)
+            raise
+
+
+class _Connection(sqlite3.Connection):
+    """A connection whose statements run on ``_Cursor``s (sqlite-utils runs every statement
+    through ``execute``); ``ckptstore_path`` names the file in errors."""
+
+    ckptstore_path: object = "(in memory)"
+
+    def cursor(self, factory: Any = _Cursor) -> Any:
+        return super().cursor(factory)
+
+    def execute(self, *args: Any) -> _Cursor:
+        return self.cursor().execute(*args)
+
+    def executemany(self, *args: Any) -> _Cursor:
+        return self.cursor().executemany(*args)
+
+    def executescript(self, *args: Any) -> _Cursor:
+        return self.cursor().executescript(*args)
+
+
+def _sqlite_connect(target: object, path: object, **kwargs: Any) -> _Connection:
+    """``sqlite3.connect(target)`` as a ``_Connection`` naming ``path`` in its errors."""
+    connection = sqlite3.connect(target, factory=_Connection, **kwargs)
+    connection.ckptstore_path = path
+    return connection
 
 
 def connect(path: Path) -> Database:
     """The database at ``path``, created or migrated to the current schema.
 
-    Raises UnsupportedError for a newer schema, CorruptError for a file SQLite cannot read,
-    StorageError when the file or its folder cannot be opened or written (full disk,
+    Raises UnsupportedError for a newer schema, DamagedCatalogError (a CorruptError) for a file
+    SQLite cannot read, StorageError when the file or its folder cannot be opened or written (full disk,
     read-only mount, permissions: ``storage_fault``).
     """
-    _check_length(path)
+    _check_header(path)
     connection = None
     try:
         # check_same_thread=False: a non-blocking commit records its step from its background
         # thread; the store never runs two commits at once.
-        connection = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
+        connection = _sqlite_connect(path, path, timeout=60, isolation_level=None, check_same_thread=False)
         db = Database(connection)
         db.execute("PRAGMA busy_timeout=60000")
         _enable_wal(db)
@@ -63,7 +183,7 @@ def connect(path: Path) -> Database:
             raise
         if storage_fault(exc):
             raise StorageError(f"cannot open the catalog {path}: {clip(str(exc))}") from None
-        raise CorruptError(f"catalog {path} cannot be opened: {clip(str(exc))}") from None
+        raise DamagedCatalogError(path, str(exc)) from None
     return db
 
 
@@ -72,7 +192,7 @@ def snapshot(path: Path) -> Database:
     catalog that cannot be written (full disk, read-only mount): what is written to it is lost
     at close. A missing or unreadable file gives an empty one (the caller lists the manifests
     into it). Raises UnsupportedError for a newer schema."""
-    memory = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    memory = _sqlite_connect(":memory:", path, isolation_level=None, check_same_thread=False)
     # mode=ro reads the write-ahead log too, but needs its shared-memory file or a folder it may
     # create one in; immutable=1 reads a file on read-only media (SQLite then skips the log).
     for query in ("mode=ro", "immutable=1"):
@@ -89,9 +209,9 @@ def snapshot(path: Path) -> Database:
     db.ckptstore_path = path
     try:
         _migrate(db, path)
-    except sqlite3.DatabaseError:  # a damaged copy: start empty, the manifests fill it
+    except (sqlite3.DatabaseError, DamagedCatalogError):  # a damaged copy: start empty, the manifests fill it
         memory.close()
-        db = Database(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False))
+        db = Database(_sqlite_connect(":memory:", path, isolation_level=None, check_same_thread=False))
         db.ckptstore_path = path
         _migrate(db, path)
     return db
@@ -127,12 +247,13 @@ def storage_fault(exc: BaseException) -> bool:
     return any(words in text for words in ("disk is full", "disk I/O", "readonly", "unable to open"))
 
 
-def _check_length(path: Path) -> None:
-    """CorruptError if the file is shorter than its own header says (a truncated copy).
+def _check_header(path: Path) -> None:
+    """DamagedCatalogError if the file's header is not one SQLite wrote for ckptstore, or the file
+    is shorter than the header says (a truncated copy).
 
-    SQLite opens such a file and fails only when a query reaches a missing page, possibly in
-    the middle of a command; checking here costs one 100-byte read, where ``quick_check``
-    would read the whole file at every open.
+    SQLite opens such a file and fails only when a query reaches a bad or missing page,
+    possibly in the middle of a command; checking here costs one 100-byte read, where
+    ``quick_check`` would read the whole file at every open.
     """
     try:
         with open(path, "rb") as handle:
@@ -145,15 +266,32 @@ def _check_length(path: Path) -> None:
     if not header:
         return  # empty: SQLite makes it a new database
     if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
-        raise CorruptError(f"catalog {path} cannot be opened: not a SQLite database")
+        raise DamagedCatalogError(path, "not a SQLite database")
+    # Bytes 20-23: the space reserved at the end of each page, 0 unless an encryption or checksum
+    # extension made the file (ckptstore's never are), and the payload fractions, which SQLite
+    # fixes at 64, 32, 32. SQLite opens a file with other values and misreads its pages later.
+    if header[20:24] != bytes([0, 64, 32, 32]):
+        raise DamagedCatalogError(path, "its header is damaged")
     page_size = int.from_bytes(header[16:18], "big")
     page_size = 65536 if page_size == 1 else page_size
     pages = int.from_bytes(header[28:32], "big")
+    # A checkpoint copies pages from the write-ahead log into the file, header first: one that a
+    # full disk stopped leaves a file shorter than its header says, whose missing pages are
+    # still in the log. SQLite reads them from there, so only a file without a log is short.
+    if _has_log(path):
+        return
     # The header's page count is valid only while its "version-valid-for" matches the change counter.
     if header[92:96] == header[24:28] and pages * page_size > size:
-        raise CorruptError(
-            f"catalog {path} cannot be opened: it is truncated ({size} of {pages * page_size} bytes)"
-        )
+        raise DamagedCatalogError(path, f"it is truncated ({size} of {pages * page_size} bytes)")
+
+
+def _has_log(path: Path) -> bool:
+    """Whether the write-ahead log beside the catalog file at ``path`` holds any frame (past
+    its 32-byte header)."""
+    try:
+        return os.stat(f"{path}-wal").st_size > 32
+    except OSError:
+        return False
 
 
 def _enable_wal(db: Database) -> None:
@@ -191,7 +329,7 @@ def write_transaction(db: Database) -> Iterator[None]:
             raise
         try:
             db.execute("COMMIT")
-        except sqlite3.DatabaseError:
+        except (sqlite3.DatabaseError, DamagedCatalogError):
             _rollback(db)
             raise
     except sqlite3.DatabaseError as exc:

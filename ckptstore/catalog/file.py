@@ -20,7 +20,7 @@ from ..errors import BadInputError, CorruptError, StorageError, storage_error
 from ..format import deletions, layout
 from ..objects import ObjectStore
 from . import digests
-from .database import storage_faults
+from .database import DamagedCatalogError, storage_faults
 from .index import Catalog
 from .sync import (
     SyncReport,
@@ -38,9 +38,11 @@ from .sync import (
 def open_catalog(objects: ObjectStore) -> Catalog:
     """The catalog of ``objects``, synced with its manifests (``sync``).
 
-    A catalog SQLite cannot read is rebuilt from the manifests, under the store's exclusive
+    A catalog SQLite cannot read (DamagedCatalogError: a bad header or page, rows that clash,
+    met while opening and syncing it) is rebuilt from the manifests, under the store's exclusive
     lock so that the processes of one job do it once; a shared catalog's damaged file is kept
-    beside it (``catalog.db.damaged-<time>``) for inspection.
+    beside it (``catalog.db.damaged-<time>``) for inspection. Damage met later, by a query of
+    the command, is a DamagedCatalogError naming ``ckptstore catalog rebuild``.
 
     A catalog that cannot be written (a full disk, a read-only mount or cache folder) is read
     from an in-memory copy synced the same way (``Catalog(read_only=...)``): every query
@@ -80,7 +82,7 @@ def _require_private(path: Path, objects: ObjectStore) -> None:
 
 
 def _open_writable(path: Path, objects: ObjectStore) -> Catalog:
-    """The catalog file at ``path``, created, rebuilt if corrupt, and synced; StorageError if
+    """The catalog file at ``path``, created, rebuilt if damaged, and synced; StorageError if
     it cannot be written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,15 +93,25 @@ def _open_writable(path: Path, objects: ObjectStore) -> Catalog:
             ) from None
         raise storage_error("create the catalog folder", path.parent, exc) from None
     try:
-        catalog = Catalog(path)
-    except CorruptError as exc:
+        return _open_synced(path, objects)
+    except DamagedCatalogError as exc:
         with objects.lock(exclusive=True):
             try:  # another process may have rebuilt it while this one waited for the lock
-                catalog = Catalog(path)
-            except CorruptError:
-                log.warning("ckptstore: rebuilding the catalog %s from the manifests (%s)", path, exc)
+                return _open_synced(path, objects)
+            except DamagedCatalogError:
+                log.warning(
+                    "ckptstore: the catalog %s is damaged (%s): rebuilding it from the manifests",
+                    path,
+                    exc.reason,
+                )
                 rebuild(path, objects, keep_damaged=catalog_is_shared(objects))
-                catalog = Catalog(path)
+        return _open_synced(path, objects)
+
+
+def _open_synced(path: Path, objects: ObjectStore) -> Catalog:
+    """The catalog file at ``path`` synced with the manifests. DamagedCatalogError where the
+    open or the sync meets damage in the file (the sync reads and writes its step lists)."""
+    catalog = Catalog(path)
     try:
         sync(catalog, objects)
     except BaseException:
@@ -133,9 +145,11 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
     previous = _previous_steps(path)
     stored = {**layout.list_blobs(objects).found, **layout.list_packs(objects).found}
     listing = deletions.list_manifests(objects)
-    catalog = Catalog(fresh)
-    catalog.content_hash = objects.content_hash
+    catalog = None
     try:
+        # Inside the try: on a full disk the new file is made and then fails to take its schema.
+        catalog = Catalog(fresh)
+        catalog.content_hash = objects.content_hash
         for record, generation in (
             found
             for batch in fetch_records(
@@ -153,13 +167,18 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
         # Fold the write-ahead log into the file, so the file alone is the whole catalog.
         catalog.db.execute("PRAGMA journal_mode=DELETE")
     except BaseException:
-        catalog.close()
-        for leftover in (fresh, Path(f"{fresh}-wal"), Path(f"{fresh}-shm")):
+        if catalog is not None:
+            catalog.close()
+        for leftover in (fresh, Path(f"{fresh}-wal"), Path(f"{fresh}-shm"), Path(f"{fresh}-journal")):
             leftover.unlink(missing_ok=True)
         raise
     catalog.close()
     left_out = set(previous or ()) - set(report.steps)
     report.lost = sorted(left_out - set(listing.found))
+    # The old file's log goes first: SQLite would replay a log left beside the name onto
+    # whatever file has it next (a kill between these renames would leave exactly that).
+    for stale in (Path(f"{path}-wal"), Path(f"{path}-shm")):
+        stale.unlink(missing_ok=True)
     if path.exists() and (left_out or (previous is None and keep_damaged and path.stat().st_size)):
         stamp = time.strftime("%Y%m%dT%H%M%S")
         aside = path.with_name(
@@ -167,8 +186,6 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
         )
         os.replace(path, aside)
         report.kept_aside = str(aside)
-    for stale in (Path(f"{path}-wal"), Path(f"{path}-shm")):
-        stale.unlink(missing_ok=True)
     os.replace(fresh, path)
     return report
 
@@ -183,7 +200,7 @@ def _previous_steps(path: Path) -> list[int] | None:
         return None
     try:
         return catalog.steps()
-    except sqlite3.DatabaseError:
+    except (sqlite3.DatabaseError, CorruptError):
         return None
     finally:
         catalog.close()

@@ -269,6 +269,10 @@ class Catalog(StepQueries, LayerPackQueries, MetricQueries, WeightsOnlyQueries, 
                 if if_absent:
                     return False
                 raise ConflictError(f"step {step} is already committed")
+            # Rows of the step beside no steps row are left over (a lost steps row, a log replayed
+            # onto another file): the record is what they index, so they make way for its rows.
+            for table in ("layers", "files", "metrics"):
+                self.db.execute(f"DELETE FROM {table} WHERE step = ?", [step])
             rows = []
             for source, source_rows in group_by_source(record.tensors).items():
                 present = (
