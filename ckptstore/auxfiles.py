@@ -8,21 +8,27 @@ path is where materialize puts the file, relative to the output directory.
 Whoever can write the store can write those rows (the catalog's ``files`` table, a manifest),
 so one rule (``refusal``) decides where a file may land, at commit, on import from a manifest
 and again on the way out (materialize, export): a canonical relative path that can replace
-nothing DeepSpeed writes or reads, so a store never gets a file where DeepSpeed unpickles or a
-script runs. What a file holds is judged on the way out too, by content whatever its name
-(``pickle_problem``): a directory goes to loaders (accelerate's ``load_state``, ``torch.load``)
-that unpickle any file they are pointed at with ``weights_only=False``.
+nothing DeepSpeed writes or reads, so a store never gets a file where DeepSpeed unpickles. A
+name Python would run or import (``code_refusal``: ``*.py``, ``*.so``, a package) is refused at
+commit and left out on the way out.
+
+What a file holds goes to loaders (accelerate's ``load_state``, ``torch.load``) that unpickle
+any file they are pointed at with ``weights_only=False``. So a pickle or torch file is kept as
+plain data at commit and written out as ckptstore serializes it (``format.plainfile``); other
+bytes go out as they are only where no unpickler can start on them, and are otherwise left out
+with a warning, unless the caller trusts everyone who can write the store (``allow_pickle``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from . import knobs
 from .errors import BadInputError, CorruptError, NotFoundError, clip
-from .format import pickled
+from .format import plainfile
 from .format.layout import file_name
 from .hashing import PLAIN, ContentHash
 from .model import FileRow
@@ -33,6 +39,13 @@ from .objects import ObjectStore
 # says materialize/export wrote a folder (``materialize.outputs``): a file must never take their place.
 OUTPUT_MARKER = ".ckptstore-output"
 RESERVED = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", OUTPUT_MARKER)
+# Names a Python interpreter runs or imports from a folder it starts in or is pointed at:
+# modules, extensions, bytecode, ``site``'s path files. A ``.pth`` file is taken where it reads
+# as plain data (the Trainer's ``rng_state.pth``): what goes out is then ckptstore's own bytes.
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyd", ".pyz", ".so", ".dylib", ".dll", ".egg", ".whl")
+PATH_FILE_SUFFIX = ".pth"
+
+log = logging.getLogger("ckptstore")
 
 FileSpec = str | os.PathLike | Iterable[str | os.PathLike]
 # What collect() found, as (path in the checkpoint directory, local path or the bytes read).
@@ -74,6 +87,7 @@ def collect(files: FileSpec | Read) -> Entries:
             raise BadInputError(f"files=: {path} is not a file or directory")
         for name, source in entries:
             _check_name(name)
+            _check_code_name(name, source)
             if name in found:
                 raise BadInputError(
                     f"files=: two files would be stored as {name} ({found[name]} and {source})"
@@ -110,10 +124,34 @@ def refusal(path: object) -> str | None:
     return None
 
 
+def code_refusal(path: str) -> str | None:
+    """Why a file at ``path`` (one ``refusal`` allows) is one Python would run or import, or
+    None: a module, extension or bytecode, a package's ``__init__``, ``__pycache__``, an
+    executable's ``bin/``... name. A ``.pth`` path file is judged with its content
+    (``_check_code_name``, ``copy_out``)."""
+    parts = path.split("/")
+    name = parts[-1].lower()
+    if name.endswith(CODE_SUFFIXES) or ".cpython-" in name or "__pycache__" in parts:
+        return "is a name Python would import or run"
+    if name.split(".")[0] in ("__init__", "__main__", "sitecustomize", "usercustomize"):
+        return "is a name Python would import or run"
+    return None
+
+
 def _check_name(name: str) -> None:
     reason = refusal(name)
     if reason:
         raise BadInputError(f"files=: {name} {reason}; rename it")
+
+
+def _check_code_name(name: str, source: Path) -> None:
+    reason = code_refusal(name)
+    if reason is None and name.lower().endswith(PATH_FILE_SUFFIX):
+        data = source.read_bytes()
+        if not plainfile.encode(data, knobs.max_file_bytes()).plain:
+            reason = "is a Python path file (.pth) that is not a torch file of plain data"
+    if reason:
+        raise BadInputError(f"files=: {name} {reason}; rename it or leave it out")
 
 
 def read(files: FileSpec) -> Read:
@@ -122,10 +160,21 @@ def read(files: FileSpec) -> Read:
 
 
 def store(objects: ObjectStore, entries: Entries) -> list[FileRow]:
-    """Store each file once (content-addressed); durable when it returns."""
+    """Store each file once (content-addressed), a pickle or torch file as plain data
+    (``format.plainfile``); durable when it returns. A file kept as bytes that materialize
+    would leave out (``plainfile.opaque_refusal``) is named in a warning."""
     rows = []
     for name, source in entries:
         data = source if isinstance(source, bytes) else source.read_bytes()
+        kept = plainfile.encode(data, knobs.max_file_bytes())
+        if not kept.plain and (reason := plainfile.opaque_refusal(data)):
+            log.warning(
+                "ckptstore: the file %s %s and is no pickle of plain data: it is kept as it is, and "
+                "materialize leaves it out unless --allow-pickle",
+                name,
+                reason,
+            )
+        data = kept.stored
         key = file_key(data, objects.content_hash)
         if objects.touch(file_name(key)) is None:
             objects.put_if_absent(file_name(key), data)
@@ -159,44 +208,73 @@ def check_record(record) -> None:
     check_rows(record.files, record.step)
 
 
-def pickle_problem(data: bytes) -> str | None:
-    """What is wrong with a file holding ``data`` on its way out, or None: a pickle or torch
-    archive that needs more than ``torch.load(weights_only=True)`` (``format.pickled``)."""
-    reason = pickled.refusal(data)
-    return reason and f"holds a pickle that needs more than torch.load(weights_only=True) ({reason})"
-
-
 def copy_out(
     objects: ObjectStore, rows: Iterable[FileRow], directory: Path, step: int, *, allow_pickle: bool = False
-) -> None:
-    """Write the recorded files of ``step`` into ``directory``, each verified against its key.
+) -> list[str]:
+    """Write the recorded files of ``step`` into ``directory`` (mode 0644), each read within
+    its recorded size and verified against its key; return the paths left out.
 
-    Raises CorruptError (before writing anything) for a path ``check_rows`` refuses, and for a
-    file with a ``pickle_problem`` unless ``allow_pickle`` (whoever can write the store could
-    make a loader of the directory run their code; the caller removes what was written). A
-    file is created, never replaced, so not even a checkpoint file written before it can be
-    overwritten."""
+    Raises CorruptError (before writing anything) for a path ``check_rows`` refuses, and for
+    a file that does not verify (the caller removes what was written). A file kept as plain
+    data goes out as ckptstore serializes it; one kept as bytes goes out as it is where no
+    unpickler can start on it, and otherwise (unless ``allow_pickle``) is left out, as is a
+    name Python would import, each named in a warning. A file is created, never replaced, so
+    not even a checkpoint file written before it can be overwritten."""
     rows = list(rows)
     check_rows(rows, step)
+    left_out = []
     for row in rows:
-        try:
-            data = objects.get(file_name(row.key))
-        except NotFoundError:
-            raise NotFoundError(f"auxiliary file {row.path} (stored as {row.key}) is missing") from None
-        if file_key(data, objects.content_hash) != row.key:
-            raise CorruptError(f"auxiliary file {row.path} (stored as {row.key}) is corrupt")
-        problem = None if allow_pickle else pickle_problem(data)
-        if problem:
-            raise CorruptError(
-                f"step {step}'s auxiliary file {row.path} {problem}: a loader could run code from it "
-                "(if everyone who can write the store is trusted: materialize --allow-pickle)"
-            )
-        target = directory / row.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(target, "xb") as handle:
-                handle.write(data)
-        except FileExistsError:
-            raise CorruptError(
-                f"step {step}'s auxiliary file {row.path} would replace a file already written"
-            ) from None
+        data = _read(objects, row)
+        plain = plainfile.is_plain(data)
+        reason = code_refusal(row.path)
+        if reason is None and not plain and row.path.lower().endswith(PATH_FILE_SUFFIX):
+            reason = "is a Python path file (.pth) that is not plain data"
+        if plain:
+            data = plainfile.decode(data, f"step {step}'s auxiliary file {row.path}")
+        elif reason is None and not allow_pickle and (opaque := plainfile.opaque_refusal(data)):
+            reason = f"{opaque}: left out (materialize --allow-pickle writes it)"
+        if reason:
+            log.warning("ckptstore: step %d's auxiliary file %s %s%s", step, row.path, reason,
+                        "" if "left out" in reason else ": left out")  # fmt: skip
+            left_out.append(row.path)
+            continue
+        _write_new(directory / row.path, data, step, row.path)
+    return left_out
+
+
+def plain_data_problem(data: bytes) -> str | None:
+    """What is wrong with a stored file's bytes, or None: plain data that does not rebuild
+    (``plainfile.decode``). A file kept as bytes has no such problem: materialize may leave
+    it out, but nothing is corrupt."""
+    if not plainfile.is_plain(data):
+        return None
+    try:
+        plainfile.decode(data, "it")
+    except CorruptError as exc:
+        return str(exc).removeprefix("it ")
+    return None
+
+
+def _read(objects: ObjectStore, row: FileRow) -> bytes:
+    """The stored bytes of ``row``, never more than its recorded size, verified by its key."""
+    size = row.size if isinstance(row.size, int) and row.size >= 0 else 0
+    try:
+        data = bytes(objects.get_range(file_name(row.key), 0, size + 1))
+    except NotFoundError:
+        raise NotFoundError(f"auxiliary file {row.path} (stored as {row.key}) is missing") from None
+    if len(data) != row.size or file_key(data, objects.content_hash) != row.key:
+        raise CorruptError(f"auxiliary file {row.path} (stored as {row.key}) is corrupt")
+    return data
+
+
+def _write_new(target: Path, data: bytes, step: int, path: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        handle = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise CorruptError(
+            f"step {step}'s auxiliary file {path} would replace a file already written"
+        ) from None
+    with open(handle, "wb") as file:
+        os.fchmod(file.fileno(), 0o644)  # whatever the umask: data, never executable
+        file.write(data)

@@ -203,10 +203,13 @@ class Store(TierVerbs):
         checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
         which loads at any world size: ``world_size`` and ``tag`` do not apply to it.
 
-        An auxiliary file (any name) or DCP bytes item holding a pickle that needs more than
-        ``torch.load(weights_only=True)`` (``format.pickled``) is a CorruptError naming step and
-        file or item, nothing written; ``allow_pickle=True`` writes it, and loaders of ``out``
-        (accelerate's ``load_state``, DCP) run any code in it: only for a trusted store.
+        Every pickle or torch file written (an auxiliary file, a DCP bytes item) is one
+        ckptstore serializes from the plain data kept at commit (``format.plainfile``), never
+        store bytes. An auxiliary file kept as bytes that an unpickler could read is left out
+        with a warning naming it, and a DCP bytes item kept as bytes is a CorruptError naming
+        step and item (nothing written); ``allow_pickle=True`` writes them as stored, and
+        loaders of ``out`` (accelerate's ``load_state``, DCP) run any code in them: only for a
+        trusted store.
         """
         return frontdoors.materialize(
             self.objects, self.catalog, step, out,

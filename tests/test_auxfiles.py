@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import pathlib
 import pickle
 import random
@@ -24,9 +25,9 @@ import ckptstore
 from ckptstore import auxfiles
 from ckptstore.deepspeed import torchfile
 from ckptstore.errors import BadInputError, CorruptError
-from ckptstore.format import manifest
+from ckptstore.format import manifest, plainfile
 from ckptstore.format.layout import file_name, manifest_name
-from ckptstore.integrations.dcp import StoreWriter
+from ckptstore.integrations.dcp import StoreReader, StoreWriter
 from tests.test_dcp_store import emptied, save_hostile_dcp_step, training_state
 from tools.engines import batches, build_engine, train
 
@@ -280,56 +281,101 @@ HOSTILE_CONTENT = {
     "name, content, keyed",
     [("custom_checkpoint_0.pkl", "zip", False), ("notes.txt", "bare", True), ("vocab.pt", "legacy", False)],
 )
-def test_materialize_refuses_an_aux_file_holding_a_pickle_that_needs_more_than_weights_only(
-    tmp_path, engine, name, content, keyed
+def test_a_file_that_is_no_plain_data_is_left_out_with_a_warning_unless_allow_pickle(
+    tmp_path, engine, name, content, keyed, caplog
 ):
     marker = tmp_path / "ran"
     data = HOSTILE_CONTENT[content](marker)
-    store = committed_with(tmp_path, engine, {name: data, "config.json": b"{}"}, keyed)
-    refusal = f"step 4's auxiliary file {name} holds a pickle that needs more than torch.load"
-    with pytest.raises(CorruptError, match=refusal):
-        store.materialize(4, tmp_path / "out", tag="pytorch_model")
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        store = committed_with(tmp_path, engine, {name: data, "config.json": b"{}"}, keyed)
+    assert f"the file {name} " in caplog.text and "materialize leaves it out" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        out = store.materialize(4, tmp_path / "out", tag="pytorch_model")
+    assert f"step 4's auxiliary file {name} " in caplog.text and "left out" in caplog.text
+    assert (out / "config.json").read_bytes() == b"{}" and not (out / name).exists()
     if name.startswith("vocab"):  # a name export copies into a model folder
-        with pytest.raises(CorruptError, match=refusal):
-            store.export(4, tmp_path / "hf")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "store"]  # nothing written, not even staging
-    [problem] = store.verify().file_problems
-    assert problem.users == [(4, name, len(data))]
-    assert "holds a pickle that needs more than torch.load(weights_only=True)" in problem.describe()
-    assert store.verify(deep=False).ok  # the fast check reads no file
+        assert not (store.export(4, tmp_path / "hf").path / name).exists()
+    assert store.verify().ok  # nothing is corrupt
 
-    out = store.materialize(4, tmp_path / "out", tag="pytorch_model", allow_pickle=True)
+    out = store.materialize(4, tmp_path / "trusted", tag="pytorch_model", allow_pickle=True)
     assert not marker.exists()
     with contextlib.suppress(RuntimeError):  # a bare pickle runs as torch.load reads its magic number
         torch.load(out / name, weights_only=False)  # what accelerate's load_state does with it
     assert marker.read_text() == "ran"  # the attack is real
 
 
-def test_the_cli_refuses_a_pickle_with_exit_4_and_writes_it_with_allow_pickle(tmp_path, engine, run):
+def test_the_cli_leaves_out_a_pickle_with_a_warning_and_writes_it_with_allow_pickle(tmp_path, engine, run):
     marker = tmp_path / "ran"
     store = committed_with(tmp_path, engine, {"custom_checkpoint_0.pkl": code_running_pickle(marker)})
     uri = store.objects.uri
-    refused = run("--store", uri, "materialize", "--step", 4, "--tag", "pytorch_model", tmp_path / "out")
-    assert refused.returncode == 4, refused
-    assert refused.stderr.startswith("error: step 4's auxiliary file custom_checkpoint_0.pkl holds a pickle")
-    assert "Traceback" not in refused.stderr and len(refused.stderr.splitlines()) == 1
-    assert not (tmp_path / "out").exists()
-    checked = run("--store", uri, "verify")
-    assert checked.returncode != 0 and "custom_checkpoint_0.pkl" in checked.stdout + checked.stderr
-    written = run("--store", uri, "materialize", "--step", 4, "--allow-pickle", tmp_path / "out")
+    done = run("--store", uri, "materialize", "--step", 4, "--tag", "pytorch_model", tmp_path / "out")
+    assert done.returncode == 0, done
+    assert "step 4's auxiliary file custom_checkpoint_0.pkl is a zip archive" in done.stderr
+    assert "left out (materialize --allow-pickle writes it)" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out" / "custom_checkpoint_0.pkl").exists()
+    assert run("--store", uri, "verify").returncode == 0
+    written = run("--store", uri, "materialize", "--step", 4, "--allow-pickle", tmp_path / "trusted")
     assert written.returncode == 0, written
-    assert (tmp_path / "out" / "custom_checkpoint_0.pkl").is_file() and not marker.exists()
+    assert (tmp_path / "trusted" / "custom_checkpoint_0.pkl").is_file() and not marker.exists()
     assert "--allow-pickle" in run("materialize", "--help").stdout
 
 
-def test_data_files_and_pickles_weights_only_loads_go_out_as_they_were(tmp_path, engine):
-    from tests.test_pickled import benign_files
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's, reading the protocol 5 one
+def test_data_files_go_out_as_they_were_and_pickles_as_ckptstores_own_bytes_of_the_same_value(
+    tmp_path, engine
+):
+    from tests.test_plainfile import data_files, load_any, pickle_files, same
 
-    files = benign_files()
+    files = {**data_files(), **pickle_files()}
     store = committed_with(tmp_path, engine, files)
     out = store.materialize(4, tmp_path / "out")
-    assert {name: (out / name).read_bytes() for name in files} == files
+    assert {name: (out / name).read_bytes() for name in data_files()} == data_files()
+    for name, data in pickle_files().items():
+        assert same(load_any((out / name).read_bytes()), load_any(data)), name
+        assert (out / name).stat().st_mode & 0o777 == 0o644
     assert store.verify().ok
+
+
+def every_file_loaded(out: pathlib.Path) -> int:
+    """Load every file under ``out`` as the most trusting loaders would; how many were pickles."""
+    from accelerate.utils import load as accelerate_load
+
+    loaded = 0
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        for load in (
+            lambda p: torch.load(p, weights_only=False, map_location="cpu"),
+            lambda p: accelerate_load(p, map_location="cpu", weights_only=False),
+            lambda p: pickle.loads(p.read_bytes()),
+        ):
+            with contextlib.suppress(Exception):
+                load(path)
+                loaded += 1
+    return loaded
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
+def test_no_pickle_flavour_committed_or_planted_reaches_any_loader_of_the_directory(tmp_path, engine, keyed):
+    from tests.test_plainfile import hostile_files, pickle_files
+
+    marker = tmp_path / "ran"
+    hostile = {name.replace(".", "-committed."): data for name, data in hostile_files(marker).items()}
+    store = committed_with(tmp_path, engine, {**hostile, **pickle_files()}, keyed)  # a commit runs none
+    if not keyed:  # a writer points rows at the bytes themselves (a keyed store refuses such rows)
+        for name, data in hostile_files(marker).items():
+            add_row(store, 4, name.replace(".", "-planted."), data)
+        assert {row.path for row in store.files(4)} >= {
+            n.replace(".", "-planted.") for n in hostile_files(marker)
+        }
+    out = store.materialize(4, tmp_path / "out")
+    # Out go only ckptstore's own bytes: of what a commit read as plain data (a torch zip's
+    # data.pkl without its extra record), never a planted row's bytes.
+    went_out = {p.name for p in out.iterdir() if "-committed." in p.name or "-planted." in p.name}
+    assert went_out == {name for name, data in hostile.items() if plainfile.encode(data, 1 << 20).plain}
+    assert every_file_loaded(out) >= len(pickle_files())
+    engine.load_checkpoint(str(out))  # DeepSpeed reads the directory too
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("kind", ["deepspeed", "accelerate", "dcp"])
@@ -357,8 +403,9 @@ def test_every_loader_of_every_materialized_directory_runs_no_store_writers_code
                 "random_states_0.pkl": torch_saved(rng_state())}  # fmt: skip
         out = committed_with(benign, engine, kept).materialize(4, tmp_path / "out", tag=tag)
         store = committed_with(hostile, engine, {"custom_checkpoint_0.pkl": code_running_pickle(marker)})
-        with pytest.raises(CorruptError):
-            store.materialize(4, tmp_path / "refused", tag=tag)
+        left = store.materialize(4, tmp_path / "left", tag=tag)
+        assert not (left / "custom_checkpoint_0.pkl").exists()
+        every_file_loaded(left)
 
         # accelerate's load_state: load_custom_state's call for a registered object, then its RNG states
         custom = accelerate_load(out / "custom_checkpoint_0.pkl", map_location="cpu", weights_only=False)
@@ -369,3 +416,82 @@ def test_every_loader_of_every_materialized_directory_runs_no_store_writers_code
     for path in pickles:
         torch.load(path, weights_only=False)
     assert not (tmp_path / "refused").exists() and not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["torch.py", "sitecustomize.py", "deepspeed/__init__.py", "x.pth", "ext.cpython-311-x86_64.so",
+             "pkg/__pycache__/m.cpython-311.pyc", "usercustomize"],
+)  # fmt: skip
+def test_a_name_python_would_import_or_run_is_refused_at_commit_and_left_out_on_the_way_out(
+    tmp_path, engine, name, caplog
+):
+    source = tmp_path / "src"
+    (source / name).parent.mkdir(parents=True)
+    (source / name).write_bytes(b"import os; os.system('touch ran')\n")
+    store = ckptstore.open(tmp_path / "store")
+    with pytest.raises(BadInputError, match=f"files=: {name} is .*; rename it or leave it out"):
+        store.commit(engine, step=4, files=source)
+    assert store.steps() == []
+
+    store.commit(engine, step=4)  # a store writer adds the row
+    add_row(store, 4, name, b"import os; os.system('touch ran')\n")
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        out = store.materialize(4, tmp_path / "out", allow_pickle=True)  # not even for a trusted store
+    assert f"step 4's auxiliary file {name} is " in caplog.text and not (out / name).exists()
+
+
+def test_a_trainers_rng_state_pth_is_kept_as_plain_data_and_goes_out_with_mode_0644(tmp_path, engine):
+    from tests.test_plainfile import same
+
+    store = committed_with(tmp_path, engine, {"rng_state.pth": torch_saved(rng_state())})
+    out = store.materialize(4, tmp_path / "out")
+    assert same(
+        torch.load(out / "rng_state.pth", weights_only=False),
+        torch.load(tmp_path / "src" / "rng_state.pth", weights_only=False),
+    )
+    assert (out / "rng_state.pth").stat().st_mode & 0o777 == 0o644
+
+
+def test_no_read_path_calls_an_unpickler_on_store_bytes(tmp_path, engine, monkeypatch):
+    """A step whose files and DCP bytes items are plain data is read whole by every verb with
+    every unpickler broken: reading a store never unpickles its bytes."""
+    from tests.test_plainfile import pickle_files
+
+    store = committed_with(tmp_path, engine, {"config.json": b"{}", **pickle_files()})
+    with ckptstore.open(tmp_path / "dcp-store") as dcp_store:
+        dcp.save(training_state(), storage_writer=StoreWriter(dcp_store, step=1))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an unpickler ran on a read path")
+
+    # DCP's load planner torch.loads each bytes item it is handed: only ckptstore's own bytes.
+    ours, real_load, real_unpickler, rebuild = set(), torch.load, pickle.Unpickler, plainfile.decode
+    monkeypatch.setattr(plainfile, "decode", lambda *args: ours.add(rebuild(*args)) or rebuild(*args))
+
+    def load_ours(source, *args, **kwargs):
+        if not (isinstance(source, io.BytesIO) and source.getvalue() in ours):
+            refuse()
+        refusing, pickle.Unpickler = pickle.Unpickler, real_unpickler
+        try:
+            return real_load(source, *args, **kwargs)
+        finally:
+            pickle.Unpickler = refusing
+
+    class Refusing(pickle.Unpickler):
+        def __init__(self, *args, **kwargs):
+            refuse()
+
+    monkeypatch.setattr(pickle, "Unpickler", Refusing)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(torch, "load", load_ours)
+    store.materialize(4, tmp_path / "out")
+    store.export(4, tmp_path / "hf")
+    assert store.verify().ok
+    assert store.restore(engine, 4)[0] == 4
+    with ckptstore.open(tmp_path / "dcp-store") as dcp_store:
+        dcp_store.materialize(1, tmp_path / "dcp-out")
+        assert dcp_store.verify().ok
+        loaded = emptied(training_state())
+        dcp.load(loaded, storage_reader=StoreReader(dcp_store, step=1))
+    assert loaded["train"] == training_state()["train"]

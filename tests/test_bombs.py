@@ -264,6 +264,59 @@ def test_recoverys_check_of_a_bomb_pack_from_a_peer_allocates_no_more_than_of_th
     assert refused["grown_kb"] < checked["grown_kb"] + MAX_GROWTH_KB, (checked, refused)
 
 
+# 32 bytes that the weights-only unpickler's allowlist would turn into 3 GiB: bytearray(3 << 30).
+PICKLE_BOMB = b"\x80\x02cbuiltins\nbytearray\n\x8a\x05\x00\x00\x00\xc0\x00\x85R."
+
+
+def planted_file(root: Path, name: str, data: bytes) -> None:
+    """A store writer's auxiliary file of step STEP: the object and its row in the manifest
+    (the catalog is then rebuilt from the manifests at the next open)."""
+    import dataclasses
+
+    from ckptstore import auxfiles
+    from ckptstore.format.layout import file_name
+    from ckptstore.model import FileRow
+
+    key = auxfiles.file_key(data)
+    (root / file_name(key)).parent.mkdir(parents=True, exist_ok=True)
+    (root / file_name(key)).write_bytes(data)
+    row = FileRow(name, key, len(data))
+    rewrite_manifest(root, lambda record: dataclasses.replace(record, files=[*record.files, row]))
+    (root / "catalog.db").unlink()
+
+
+@pytest.mark.parametrize("command", ["materialize", "verify"])
+def test_a_32_byte_pickle_bomb_file_is_left_out_without_building_anything(
+    clean_store, readers, tmp_path, command
+):
+    assert len(PICKLE_BOMB) <= 32
+    root = tmp_path / "store"
+    shutil.copytree(clean_store, root)
+    planted_file(root, "custom_checkpoint_0.pkl", PICKLE_BOMB)
+    result = probe(readers, root, *command_line(command, tmp_path))
+    assert result["rc"] == 0 and result["grown_kb"] < MAX_GROWTH_KB, result
+    if command == "materialize":
+        assert "custom_checkpoint_0.pkl" in result["out"] and "left out" in result["out"], result
+        assert not (tmp_path / "out" / "custom_checkpoint_0.pkl").exists()
+
+
+def test_plain_data_declaring_a_gigabyte_tensor_is_corrupt_without_allocating_it(
+    clean_store, readers, tmp_path
+):
+    from ckptstore.format import plainfile
+
+    value = {"__tensor__": {"dtype": "float32", "shape": [GIB // 4], "data": ""}}
+    data = plainfile.HEADER + json.dumps({"kind": "torch", "protocol": 2, "value": value}).encode()
+    root = tmp_path / "store"
+    shutil.copytree(clean_store, root)
+    planted_file(root, "scheduler.pt", data)
+    for command in ("materialize", "verify"):
+        result = probe(readers, root, *command_line(command, tmp_path))
+        assert result["grown_kb"] < MAX_GROWTH_KB, result
+        assert result["rc"] == (CorruptError.exit_code if command == "materialize" else 1), result
+        assert "scheduler.pt" in result["out"], result
+
+
 @pytest.mark.parametrize("bomb", ["manifest", "layer index"])
 def test_on_s3_a_bombed_manifest_stops_log_without_allocating(clean_store, readers, tmp_path, s3, bomb):
     """On S3 every reader imports manifests into its cache: ``log`` of a fresh cache reads them."""

@@ -347,7 +347,7 @@ def test_a_bytes_item_that_would_run_code_is_refused_before_dcp_unpickles_it(sto
     crafted["train"] = {"step": RunsCode(marker), "epoch": 1}  # what a store writer could put there
     dcp.save(crafted, storage_writer=StoreWriter(store, step=1))
     assert not marker.exists()
-    with pytest.raises(CheckpointException, match="train.step is not a weights-only pickle"):
+    with pytest.raises(CheckpointException, match="train.step is kept as the bytes a job gave DCP"):
         dcp.load(emptied(training_state()), storage_reader=StoreReader(store, step=1))
     assert not marker.exists()
 
@@ -363,14 +363,12 @@ def save_hostile_dcp_step(store, marker, step: int = 1) -> None:
 
 
 @pytest.mark.parametrize("where, keyed", [("local", False), ("s3", True)], ids=["local", "s3-with-key"])
-def test_materialize_refuses_a_dcp_bytes_item_that_needs_more_than_weights_only(
-    tmp_path, run, request, where, keyed
-):
+def test_materialize_refuses_a_dcp_bytes_item_that_is_no_plain_data(tmp_path, run, request, where, keyed):
     marker = tmp_path / "ran"
     uri = str(tmp_path / "store") if where == "local" else request.getfixturevalue("s3").uri()
     store = ckptstore.open(uri, key=bytes(range(32)) if keyed else None)
     save_hostile_dcp_step(store, marker)
-    refusal = "step 1's DCP bytes item train.step holds a pickle that needs more than torch.load"
+    refusal = "step 1's DCP bytes item train.step is kept as the bytes a job gave DCP"
     with pytest.raises(CorruptError, match=refusal):
         store.materialize(1, tmp_path / "out")
     assert not [p.name for p in tmp_path.iterdir() if p.name not in ("store", "cache")]  # not even staging

@@ -1,9 +1,14 @@
 """The Hugging Face Trainer with CkptStoreCallback: every save goes into the store, and a
 Trainer resumes from a materialized step exactly as from its own checkpoint."""
 
+import logging
+import re
+
 import pytest
+import torch
 
 import ckptstore
+from tests.test_plainfile import same
 from tools.engines import batches, build_model
 
 transformers = pytest.importorskip("transformers")
@@ -47,8 +52,14 @@ def train(out, stage, resume=None, callbacks=(), max_steps=4, evaluate=False, **
     return losses.losses
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_trainer_resumes_from_a_materialized_step_as_from_its_own_checkpoint(tmp_path, stage):
+@pytest.mark.parametrize("stage, every_file", [(2, False), (3, True)], ids=["zero2", "zero3-every-file"])
+def test_a_trainer_resumes_from_a_materialized_step_as_from_its_own_checkpoint(
+    tmp_path, stage, every_file, monkeypatch, caplog
+):
+    if every_file:  # a user who keeps every file of the folder: training_args.bin and the weights too
+        from ckptstore.integrations import transformers as integration
+
+        monkeypatch.setattr(integration, "_NOT_KEPT", re.compile(r"latest|zero_to_.*\.py"))
     own = train(tmp_path / "own", stage)
     reference = train(tmp_path / "own-resumed", stage, resume=tmp_path / "own" / "checkpoint-2")
 
@@ -61,11 +72,20 @@ def test_a_trainer_resumes_from_a_materialized_step_as_from_its_own_checkpoint(t
     assert [p.name for p in (checkpoint / "global_step2").iterdir()] == ["ckptstore.json"]
     kept = {row.path for row in store.files(2)}
     assert {"trainer_state.json", "rng_state.pth", "scheduler.pt"} <= kept
-    assert not any("safetensors" in path for path in kept)  # the weights the Trainer writes itself
-    assert "training_args.bin" not in kept  # a pickle materialize would refuse (tests/test_pickled.py)
+    if every_file:
+        assert "training_args.bin" in kept
+    else:
+        assert not any("safetensors" in path for path in kept)  # the weights the Trainer writes itself
+        assert "training_args.bin" not in kept  # no plain data: materialize leaves it out
 
     after_2 = {s: loss for s, loss in reference.items() if s > 2}
-    out = store.materialize(2, tmp_path / "elsewhere" / "checkpoint-2")
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        out = store.materialize(2, tmp_path / "elsewhere" / "checkpoint-2")
+    # The Trainer's own pickles go out as ckptstore's bytes of the same values.
+    for name in ("rng_state.pth", "scheduler.pt"):
+        theirs = torch.load(checkpoint / name, weights_only=False)
+        assert same(torch.load(out / name, weights_only=False), theirs), name
+    assert ("training_args.bin" in caplog.text) == every_file and not (out / "training_args.bin").exists()
     resumed = train(tmp_path / "resumed", stage, resume=out)
     assert {s: loss for s, loss in resumed.items() if s > 2} == after_2
     # Or straight from the run's own checkpoint-2, which names the step in the store.

@@ -8,6 +8,7 @@ Exit codes: 0 success; 1 ``verify`` found problems; 2 bad usage or input; 3 not 
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
@@ -22,8 +23,24 @@ __all__ = ["cli", "main"]
 accept_group_options_after_commands(cli)
 
 
+class _Warnings(logging.Handler):
+    """ckptstore's warnings on the standard error the CLI writes to now (one line each), so
+    they reach a terminal or cron's mail however logging is configured around it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(clip(redact(record.getMessage()), 600), err=True)
+
+
+def _show_warnings() -> None:
+    logger = logging.getLogger("ckptstore")
+    if not any(isinstance(handler, _Warnings) for handler in logger.handlers):
+        handler = _Warnings(logging.WARNING)
+        logger.addHandler(handler)  # logging's last resort then stays out: each shows once
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI, turning ckptstore errors into one line and an exit code."""
+    _show_warnings()
     try:
         cli.main(args=argv, prog_name="ckptstore", standalone_mode=False)
     except click.exceptions.Abort:

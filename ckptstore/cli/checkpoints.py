@@ -45,9 +45,10 @@ def check_step_or_spec(step: int | None, spec: str | None) -> None:
 )  # fmt: skip
 @click.option(
     "--allow-pickle", is_flag=True,
-    help="Also write auxiliary files and DCP bytes items holding pickles that need more than "
-    "torch.load(weights_only=True): loaders of OUT (accelerate's load_state, DCP) would run any code "
-    "in them. Only for a store no one untrusted can write; refused (exit 4) without it.",
+    help="Also write auxiliary files and DCP bytes items kept as the bytes they held (not plain "
+    "data) that an unpickler could read: loaders of OUT (accelerate's load_state, DCP) would run any "
+    "code in them. Only for a store no one untrusted can write; without it such a file is left out "
+    "with a warning, such a bytes item refused (exit 4).",
 )  # fmt: skip
 @click.argument("out", type=click.Path(file_okay=False))
 @click.pass_context
@@ -66,9 +67,10 @@ def materialize(
     OUT gets ``latest``, ``global_step<STEP>/`` (or ``--tag``'s name) and the step's auxiliary
     files; resume with ``engine.load_checkpoint(OUT)``. OUT appears only once complete.
     A step saved through PyTorch DCP (StoreWriter) becomes a standard DCP directory instead,
-    which dcp.load with FileSystemReader(OUT) reads at any world size. A file or DCP bytes
-    item holding a pickle that needs more than torch.load(weights_only=True) is refused
-    (exit 4, nothing written) unless --allow-pickle.
+    which dcp.load with FileSystemReader(OUT) reads at any world size. Every pickle or torch
+    file written is one ckptstore serializes from the plain data kept at commit; a file kept
+    as bytes that an unpickler could read is left out with a warning (a DCP bytes item so kept
+    is refused, exit 4) unless --allow-pickle.
 
     A spec (YAML) says which step each block range and auxiliary layer comes from, and
     which step gives the non-tensor state and files:

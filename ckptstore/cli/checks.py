@@ -26,8 +26,8 @@ def verify(ctx: click.Context, fast: bool, deep: bool, quarantine: bool, as_json
     """Check that every blob and auxiliary file a committed step needs is present and hashes to its key.
 
     Every step's manifest is read and compared with the catalog. Without --fast, an auxiliary
-    file or DCP bytes item holding a pickle that needs more than torch.load(weights_only=True)
-    (which materialize refuses) is a problem too. Exit code 0 when clean, 1 when
+    file kept as plain data that does not rebuild, and a DCP bytes item materialize refuses (kept
+    as bytes, not plain data), are problems too. Exit code 0 when clean, 1 when
     problems were found (a missing, unreadable or disagreeing manifest is one). Unreferenced
     packs and blobs (orphans) and stray objects (names under packs/, blobs/, files/ or
     manifests/ that ckptstore does not write) are reported but are not problems.

@@ -2,10 +2,9 @@
 
 The stored chunks are handed to the writer as one save plan, each chunk as it was saved, so
 the directory holds the same boxes DCP planned (``FileSystemReader``, ``dcp.load`` at any
-world size and ``format_utils.dcp_to_torch_save`` read it). Bytes items are passed on as the
-bytes the user's job gave DCP, once they load with ``torch.load(weights_only=True)``
-(``format.pickled``): DCP's reader unpickles them with ``weights_only=False``, and whoever can
-write the store chose them. ``.metadata``, DCP's other pickle, is DCP's ``Metadata`` rebuilt
+world size and ``format_utils.dcp_to_torch_save`` read it). Bytes items go out as ckptstore
+``torch.save``s them from their plain data (``bytesitems``): DCP's reader unpickles them with
+``weights_only=False``, and whoever can write the store chose the stored bytes. ``.metadata``, DCP's other pickle, is DCP's ``Metadata`` rebuilt
 from the description's JSON (``metadata.from_plain``): DCP's classes holding builtin values,
 never bytes from the store. The directory is built beside ``out`` and renamed into place,
 with the marker that lets ``--force`` replace it later.
@@ -25,18 +24,17 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from ..catalog import Catalog
 from ..errors import BadInputError, CorruptError
-from ..format import pickled
 from ..materialize import outputs
 from ..objects import ObjectStore
-from . import chunks
+from . import bytesitems, chunks
 from . import metadata as plain_metadata
 
 
 class _StoredChunks:
     """What ``FileSystemWriter.write_data`` asks a planner for: each item's data, fetched from
-    the store (and verified) only when the writer gets to it. A bytes item with a
-    ``bytes_item_problem`` is a CorruptError unless ``allow_pickle`` (the writer asks for the
-    bytes items first, so no tensor is written before)."""
+    the store (and verified) only when the writer gets to it. A bytes item goes out as
+    ``bytesitems.give`` says (the writer asks for the bytes items first, so a refused one
+    stops it before any tensor is written)."""
 
     def __init__(
         self,
@@ -49,37 +47,31 @@ class _StoredChunks:
     def resolve_data(self, item: WriteItem) -> torch.Tensor | io.BytesIO:
         tensor = self.fetcher.fetch(self.where[item.index])
         if item.type == WriteItemType.BYTE_IO:
-            raw = tensor.numpy().tobytes()
-            problem = None if self.allow_pickle else bytes_item_problem(raw)
-            if problem:
-                raise CorruptError(
-                    f"step {self.fetcher.step}'s DCP bytes item {item.index.fqn} {problem}: DCP's "
-                    "FileSystemReader would run code from it (if everyone who can write the store is "
-                    "trusted: materialize --allow-pickle)"
-                )
-            return io.BytesIO(raw)
+            stored = tensor.numpy().tobytes()
+            fqn, step = item.index.fqn, self.fetcher.step
+            return io.BytesIO(bytesitems.give(stored, fqn, step, allow_pickle=self.allow_pickle))
         return tensor
-
-
-def bytes_item_problem(raw: bytes) -> str | None:
-    """What is wrong with a DCP bytes item's bytes, or None: DCP loads them with ``torch.load``,
-    so they must load with ``weights_only=True`` (``format.pickled.torch_refusal``)."""
-    reason = pickled.torch_refusal(raw)
-    return reason and f"holds a pickle that needs more than torch.load(weights_only=True) ({reason})"
 
 
 def refused_bytes_items(
     objects: ObjectStore, catalog: Catalog, step: int, description: dict
 ) -> list[tuple[str, str, str, str]]:
-    """``(item, its pack, its layer, problem)`` of each bytes item of DCP step ``step`` with a
-    ``bytes_item_problem``: what ``materialize`` refuses (``verify`` reports them). Raises
-    CorruptError or NotFoundError for a chunk that cannot be read."""
+    """``(item, its pack, its layer, problem)`` of each bytes item of DCP step ``step`` that
+    ``materialize`` refuses: kept as bytes (``bytesitems.problem``) or malformed plain data
+    (``verify`` reports them). Raises CorruptError or NotFoundError for a chunk that cannot be
+    read."""
     found = chunks.locations(description, catalog.sources(step), step)
     items = {fqn: where for (fqn, offsets), where in found.items() if offsets is None}
     fetcher = chunks.ChunkFetcher(objects, catalog, step, items.values())
     refused = []
     for fqn, where in items.items():
-        problem = bytes_item_problem(fetcher.fetch(where).numpy().tobytes())
+        stored = fetcher.fetch(where).numpy().tobytes()
+        problem = bytesitems.problem(stored)
+        if problem is None:
+            try:
+                bytesitems.give(stored, fqn, step, allow_pickle=False)
+            except CorruptError as exc:
+                problem = f"is malformed ({exc})"
         if problem:
             refused.append((fqn, fetcher.pack_of(where).key, where.layer, problem))
     return refused
@@ -100,8 +92,8 @@ def materialize_dcp(
     """``Store.materialize`` of a step saved through DCP: ``out`` checked as any output
     (``outputs.check_out``), then written as a DCP checkpoint directory. BadInputError for a
     ``world_size`` or ``tag``, which a DCP directory has no use for (DCP reshards at load);
-    CorruptError, with nothing written, for a bytes item that needs more than
-    ``torch.load(weights_only=True)``, unless ``allow_pickle``."""
+    CorruptError, with nothing written, for a bytes item kept as bytes, not plain data,
+    unless ``allow_pickle``."""
     if world_size is not None or tag is not None:
         raise BadInputError(
             f"step {step} was saved through DCP: its directory loads at any world size (DCP reshards) "
@@ -124,7 +116,7 @@ def write_directory(
     """Write DCP step ``step`` (``description``: its description, parsed, as
     ``dcp_description`` gives it) as a DCP checkpoint directory at ``out`` (checked by the
     caller with ``outputs.check_out``). Raises CorruptError for a chunk that does not verify,
-    and for a bytes item with a ``bytes_item_problem`` unless ``allow_pickle``."""
+    and for a bytes item kept as bytes, not plain data, unless ``allow_pickle``."""
     metadata = plain_metadata.from_plain(description["dcp"])
     found = chunks.locations(description, catalog.sources(step), step)
     items, where = [], {}

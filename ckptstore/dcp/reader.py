@@ -3,7 +3,7 @@
 ``read_metadata`` rebuilds DCP's metadata from the step's description; ``read_data`` fetches
 only the chunks this rank's read plan names (the pack's index, then each entry by a ranged
 read), verifies each against its content key and lets DCP copy and reshard it. A bytes item
-must load weights-only before DCP unpickles it.
+is handed to DCP as ckptstore ``torch.save``s it from its plain data (``bytesitems``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from torch.futures import Future
 from .. import knobs
 from ..catalog import sync
 from ..errors import BadInputError, CorruptError, NotFoundError, require_int
-from ..format import pickled
 from ..format.layout import pack_name
 from ..model import PackRef
-from . import StoreParts, chunks, is_dcp_step
+from . import StoreParts, bytesitems, chunks, is_dcp_step
 from . import metadata as plain_metadata
 
 __all__ = ["StoreReader"]
@@ -39,11 +38,14 @@ class StoreReader(StorageReader):
     with ``replicas``, what this node's tier lacks comes from the job's other tiers first, and
     the newest step is the newest the job can assemble (every rank makes its reader). Raises
     NotFoundError for a step that does not exist, BadInputError for one a DeepSpeed engine
-    committed, CorruptError (through DCP) for a chunk that does not verify."""
+    committed, CorruptError (through DCP) for a chunk that does not verify, and for a bytes item
+    kept as its bytes rather than plain data unless ``allow_pickle`` (everyone who can write
+    the store is trusted: DCP unpickles it with ``weights_only=False``)."""
 
-    def __init__(self, store: StoreParts, step: int | None = None) -> None:
+    def __init__(self, store: StoreParts, step: int | None = None, *, allow_pickle: bool = False) -> None:
         super().__init__()
         self.store = store
+        self.allow_pickle = allow_pickle is True
         self.step = None if step is None else require_int(step, "step", minimum=0)
         self._where: dict[MetadataIndex, chunks.ChunkLocation] = {}
         self._read_step: int | None = None
@@ -157,7 +159,7 @@ class StoreReader(StorageReader):
             for i in range(len(jobs)):
                 for where, tensor in pending[i].result():
                     for request in wanted[where]:
-                        _deliver(planner, request, tensor)
+                        _deliver(planner, request, tensor, step, self.allow_pickle)
                 pending[i] = None
                 if i + window < len(jobs):
                     pending.append(pool.submit(fetcher.fetch_pack, *jobs[i + window]))
@@ -166,27 +168,11 @@ class StoreReader(StorageReader):
         return done
 
 
-def _check_weights_only(raw: bytes, fqn: str) -> None:
-    """CorruptError unless the bytes item ``fqn`` loads with ``torch.load(weights_only=True)``.
-
-    DCP deserializes a bytes item with ``weights_only=False``: whoever can write the store
-    could otherwise run code on every rank that loads. What DCP saves of a state dict (param
-    groups, counters, plain values, numpy arrays of numbers) loads weights-only, so only a
-    crafted item is refused (``format.pickled.torch_refusal``, as materialize).
-    """
-    reason = pickled.torch_refusal(raw)
-    if reason:
-        raise CorruptError(
-            f"the stored bytes item {fqn} is not a weights-only pickle (it could run code when DCP loads it): "
-            f"{reason}"
-        )
-
-
-def _deliver(planner: LoadPlanner, request: Any, tensor: torch.Tensor) -> None:
+def _deliver(planner: LoadPlanner, request: Any, tensor: torch.Tensor, step: int, allow_pickle: bool) -> None:
     """Hand one read request its part of a fetched chunk."""
     if request.type == LoadItemType.BYTE_IO:
-        raw = tensor.numpy().tobytes()
-        _check_weights_only(raw, request.storage_index.fqn)
+        stored = tensor.numpy().tobytes()
+        raw = bytesitems.give(stored, request.storage_index.fqn, step, allow_pickle=allow_pickle)
         planner.load_bytes(request, io.BytesIO(raw))
         return
     part = narrow_tensor_by_index(tensor, request.storage_offsets, request.lengths)

@@ -34,7 +34,7 @@ from ..commit.record import build_record, check_metrics, publish
 from ..errors import BadInputError, require_int
 from ..format import codec, config, layerpacks
 from ..model import PackRef, Piece
-from . import DCP_FORMAT, StoreParts, chunks, is_dcp_step
+from . import DCP_FORMAT, StoreParts, bytesitems, chunks, is_dcp_step
 from . import metadata as plain_metadata
 from .naming import STATE_LAYER, ItemName, name_items
 
@@ -262,7 +262,8 @@ def _piece(item: WriteItem, named: ItemName, data: Any) -> Piece:
     """The piece that stores ``item``'s data: a bytes item as bytes, a chunk as its box."""
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-        return Piece(named.name, named.kind, 0, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        stored = bytesitems.keep(raw, item.index.fqn)  # plain data: what goes out is ckptstore's own
+        return Piece(named.name, named.kind, 0, torch.frombuffer(bytearray(stored), dtype=torch.uint8))
     # A GPU tensor stays there: it is hashed and encoded a chunk at a time (format/devicecopy.py),
     # never copied to the host whole, and never all of them at once.
     tensor = data.detach()

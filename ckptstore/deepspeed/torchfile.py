@@ -3,7 +3,7 @@
 ``torch.save`` needs every tensor in memory at once, and a ZeRO optimizer file holds the
 whole model. Instead the writer pickles a skeleton whose tensors are untouched
 ``torch.empty`` placeholders (virtual memory only) with torch's ``skip_data``, which leaves
-the byte ranges of storages as holes, and asks torch where each storage's bytes go. The
+the byte ranges of storages as holes, and asks the archive where each storage's bytes go. The
 bytes are then written there with ``pwrite``, a parameter at a time, from several threads.
 torch does not check zip CRCs of storage records (it writes none itself when
 ``compute_crc32`` is off), so the filled file loads like one ``torch.save`` wrote.
@@ -13,36 +13,15 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator
+import types
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import CorruptError, UnsupportedError
+from ..errors import CorruptError
 from ..format import plainstate
-
-
-def _tensors_in(obj: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    """Every tensor reachable from ``obj``, depth first, in the order pickling meets them."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        return
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        children = list(obj.values())
-    elif isinstance(obj, list | tuple):
-        children = list(obj)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        children = list(vars(obj).values())
-    else:
-        return
-    for child in children:
-        yield from _tensors_in(child, seen)
 
 
 def _safe_classes() -> list:
@@ -73,29 +52,47 @@ def save_skeleton(obj: Any, path: Path) -> list[tuple[torch.UntypedStorage, int]
     """``torch.save(obj, path)`` without any tensor bytes (holes read back as zeros).
 
     Returns each distinct non-empty storage of ``obj`` with the file offset where its bytes
-    belong. Raises RuntimeError if torch laid the file out in a way this cannot follow, and
-    UnsupportedError on a torch too old to say where storages are.
+    belong: the key torch's pickler gives each storage, recorded as it pickles, and the offset
+    of that key's record in the archive. Nothing is unpickled, not even the file just written.
+    Raises RuntimeError if torch laid the file out in a way this cannot follow.
     """
+    keys: dict[str, torch.UntypedStorage] = {}
     with torch.serialization.skip_data():
-        torch.save(obj, path)
-    # A meta-device load reads only the pickle and reports each storage's byte offset.
-    loaded = load(path, map_location="meta")
-    ours, theirs = list(_tensors_in(obj)), list(_tensors_in(loaded))
-    if len(ours) != len(theirs):
-        raise RuntimeError(f"{path.name}: {len(ours)} tensors pickled, {len(theirs)} read back")
+        torch.save(obj, path, pickle_module=_recording_pickle(keys))
+    reader = torch._C.PyTorchFileReader(str(path))
     offsets: dict[int, tuple[torch.UntypedStorage, int]] = {}
-    for mine, meta in zip(ours, theirs, strict=True):
-        if mine.shape != meta.shape or mine.dtype != meta.dtype:
-            raise RuntimeError(f"{path.name}: tensor {tuple(mine.shape)} {mine.dtype} read back differently")
-        storage = mine.untyped_storage()
+    for key, storage in keys.items():
         if storage.nbytes() == 0:
             continue
-        offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
-        if offset is None:
-            raise UnsupportedError(f"materialize needs torch >= 2.6 (this is torch {torch.__version__})")
+        offset = reader.get_record_offset(f"data/{key}")
         if offsets.setdefault(storage.data_ptr(), (storage, offset))[1] != offset:
             raise RuntimeError(f"{path.name}: one storage was given two offsets")
     return list(offsets.values())
+
+
+def _recording_pickle(keys: dict[str, torch.UntypedStorage]) -> types.ModuleType:
+    """A ``pickle_module`` for ``torch.save`` whose pickler notes, in ``keys``, the storage
+    behind each persistent id torch gives (``("storage", type, key, location, numel)``)."""
+
+    class Recording(pickle.Pickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            given = type(self).persistent_id  # torch's own subclass, around this one
+
+            def recorded(value: Any) -> Any:
+                found = given(self, value)
+                if isinstance(found, tuple) and found[:1] == ("storage",):
+                    untyped = (
+                        value._untyped_storage if isinstance(value, torch.storage.TypedStorage) else value
+                    )
+                    keys.setdefault(found[2], untyped)
+                return found
+
+            self.persistent_id = recorded  # looked up when the pickler is made: set it first
+            super().__init__(*args, **kwargs)
+
+    module = types.ModuleType("ckptstore_recording_pickle")
+    module.Pickler = Recording
+    return module
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> np.ndarray:

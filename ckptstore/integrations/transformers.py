@@ -32,7 +32,7 @@ from .deepspeed import MARKER, StoreCheckpointEngine, attach, resume_from_marker
 
 # Files of checkpoint-N that are not the Trainer's state: DeepSpeed's, model weights, and
 # ``training_args.bin``, a pickle of the TrainingArguments object that a resume never reads and
-# materialize would refuse (it needs more than torch.load(weights_only=True): ``format.pickled``).
+# materialize would leave out (it is no plain data: ``format.plainfile``).
 _NOT_KEPT = re.compile(r"(latest|zero_to_fp32\.py|zero_to_torch\.py|.*\.safetensors|pytorch_model.*\.bin"
                        r"|model\.safetensors\.index\.json|training_args\.bin)")  # fmt: skip
 _RANK_FILE = re.compile(r"rng_state_(\d+)\.pth")

@@ -146,7 +146,7 @@ def _verify_files(
             data = objects.get(layout.file_name(key))
             if auxfiles.file_key(data, objects.content_hash) != key:
                 problem = "is corrupt (its content does not hash to its key)"
-            elif not (problem := auxfiles.pickle_problem(data)):  # what materialize refuses
+            elif not (problem := auxfiles.plain_data_problem(data)):  # what materialize refuses
                 continue
         else:
             continue
