@@ -112,7 +112,8 @@ def while_open(method):
 
 def check_layers(layers: Any) -> strategies.Selection:
     """``commit(layers=...)`` as a list of names, a strategy, a callable or None; BadInputError
-    for anything else (a string, names that are not strings)."""
+    for anything else (a string, names that are not strings, an empty list: a step that saves
+    no layer would record the engine's counters over tensors it never saved)."""
     if layers is None or isinstance(layers, strategies.Strategy) or callable(layers):
         return layers
     if isinstance(layers, str | bytes):
@@ -123,6 +124,8 @@ def check_layers(layers: Any) -> strategies.Selection:
             f"{errors.clip(repr(layers), 60)}"
         )
     names = list(layers)
+    if not names:
+        raise BadInputError("layers=[] saves no layer: name at least one, or pass None to save every layer")
     wrong = [name for name in names if not isinstance(name, str)]
     if wrong:
         raise BadInputError(f"layers= takes layer names (strings), not {errors.clip(repr(wrong[0]), 60)}")

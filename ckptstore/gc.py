@@ -6,7 +6,8 @@ Order of a collection, each phase safe to interrupt:
 2. Decide which steps to keep (keep-last, keep-every, explicit keeps) from the listing, and
    import the kept steps the catalog lacks (keep-best imports every step: it ranks them by
    their metrics); refuse to run while a kept step's manifest cannot be read, since the packs
-   it needs are unknown. A dropped step's manifest is never read: it goes whatever it holds,
+   it needs are unknown, or is gone (those the catalog already holds are read again: gc runs
+   only where ``verify`` finds every kept step's manifest). A dropped step's manifest is never read: it goes whatever it holds,
    so a gc of a fresh cache reads a handful of manifests, not thousands. Refuse to drop every
    step unless asked, and refuse to run at all if a kept step already misses a blob.
 3. Drop the other steps: add them to the store's deletion record (``format.deletions``: their

@@ -7,7 +7,9 @@ Each is registered in ``SETTINGS`` (``settings``); ``check_all`` reads every one
 ``CKPTSTORE_*`` name that is none of them (a misspelt setting would otherwise be silently
 unused). The CLI calls it before any command and ``ckptstore.open`` before opening a store, so
 a bad value stops the command at once, not deep inside one (or never, when the code that reads
-it does not run). Tests use the overrides to force edge cases (tiny thresholds, one thread) in
+it does not run). A setting that is also an argument of ``ckptstore.open`` (``s3_timeout=``,
+``local_keep=``...) takes that argument as ``given``: the argument is held to the same range,
+by the same code, and the error names the argument. Tests use the overrides to force edge cases (tiny thresholds, one thread) in
 small runs; the settings only tests read are registered too.
 """
 
@@ -21,6 +23,7 @@ from .errors import BadInputError, clip
 from .settings import (
     PREFIX,
     SETTINGS,
+    bad_argument,
     bad_value,
     read_directory,
     read_flag,
@@ -151,9 +154,9 @@ def cache_dir() -> str:
 
 
 @setting("LOCAL", "directory")
-def local_tier() -> str:
+def local_tier(given: str | None = None) -> str:
     """The local tier's directory for stores opened without ``local=`` ("" or unset: none)."""
-    return read_directory("LOCAL")
+    return read_directory("LOCAL", given)
 
 
 @setting("KEY_FILE", "key file")
@@ -199,13 +202,13 @@ def s3_max_attempts() -> int:
 
 
 @setting("S3_TIMEOUT", "number")
-def s3_timeout() -> float:
+def s3_timeout(given: object = None) -> float:
     """Seconds an S3 request may wait to connect, and then for each read of the reply, before
     it fails (and is retried, ``s3_max_attempts`` in all); above 0, at most an hour. With the
     defaults a command against an endpoint that accepts connections and never answers fails
     within a minute: 5 attempts of 8 s plus botocore's backoff between them (at most 1 + 2 +
     4 + 8 s)."""
-    return read_float("S3_TIMEOUT", 8.0, 3600.0, positive=True, limit="an hour")
+    return read_float("S3_TIMEOUT", 8.0, 3600.0, positive=True, limit="an hour", given=given)
 
 
 @setting("S3_FRESHEN_AFTER", "number")
@@ -281,25 +284,27 @@ def export_buffer_bytes() -> int:
 
 
 @setting("LOCAL_KEEP", "integer")
-def local_keep() -> int:
+def local_keep(given: object = None) -> int:
     """Steps whose objects a local tier keeps once they are uploaded (``local_keep=``)."""
-    return read_int("LOCAL_KEEP", 2, 0, 1_000_000)
+    return read_int("LOCAL_KEEP", 2, 0, 1_000_000, given)
 
 
 @setting("LOCAL_UPLOAD", "choice")
-def local_upload() -> str:
+def local_upload(given: object = None) -> str:
     """How a local tier uploads: "background" (a thread, as steps land) or "drain" (only when
     ``drain`` is called, or from ``ckptstore drain``). BadInputError for anything else."""
-    value = read_raw("LOCAL_UPLOAD") or "background"
+    value = (read_raw("LOCAL_UPLOAD") or "background") if given is None else given
     if value not in ("background", "drain"):
+        if given is not None:
+            raise bad_argument("LOCAL_UPLOAD", given, "background or drain")
         raise bad_value("LOCAL_UPLOAD", value, "background or drain")
     return value
 
 
 @setting("REPLICAS", "integer")
-def replicas() -> int:
+def replicas(given: object = None) -> int:
     """Other nodes' local tiers each commit is copied into (``replicas=``; 0: none)."""
-    return read_int("REPLICAS", 0, 0, 1000)
+    return read_int("REPLICAS", 0, 0, 1000, given)
 
 
 @setting("PEER_TIMEOUT", "number")
@@ -321,9 +326,9 @@ def node() -> str:
 
 
 @setting("LOCAL_MAX_BYTES", "integer")
-def local_max_bytes() -> int:
+def local_max_bytes(given: object = None) -> int:
     """Bytes of steps not uploaded yet past which a commit waits for the uploads (0: no limit)."""
-    return read_int("LOCAL_MAX_BYTES", 0, 0, MAX_BYTES)
+    return read_int("LOCAL_MAX_BYTES", 0, 0, MAX_BYTES, given)
 
 
 @setting("LOCAL_RETRY_FIRST", "number")

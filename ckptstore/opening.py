@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from . import knobs, private
 from .arguments import check_path
 from .catalog import file as catalog_file
 from .catalog import sync
-from .errors import BadInputError, CkptStoreError, StorageError, require_int
+from .errors import BadInputError, CkptStoreError, NotFoundError, StorageError, clip
 from .format.config import ensure_config
 from .format.layout import CONFIG
 from .hashing import ContentHash
@@ -84,18 +83,25 @@ def open(  # noqa: A001 - the public name
     with ``create``: only an empty one becomes a store.
     """
     knobs.check_all()
-    local = knobs.local_tier() if local is None else check_path(local, "local")
+    if not isinstance(create, bool):
+        raise BadInputError(f"create must be True or False, not {clip(repr(create), 40)}")
+    # Each argument with a CKPTSTORE_* form is held to that setting's range by its reader.
+    local = knobs.local_tier(None if local is None else check_path(local, "local"))
+    local_keep, local_max_bytes = knobs.local_keep(local_keep), knobs.local_max_bytes(local_max_bytes)
+    upload, replicas = knobs.local_upload(local_upload), knobs.replicas(replicas)
+    s3_timeout = knobs.s3_timeout(s3_timeout)
     content_hash = content_hash_for(key)
+    if local and not create:
+        _require_tier(local)  # a read never makes a tier (a mistyped --local would)
     offline = False
-    replicas = (
-        knobs.replicas() if replicas is None else require_int(replicas, "replicas", minimum=0, maximum=1000)
-    )
     try:
         objects = _open_objects(
             uri, create=create, endpoint_url=endpoint_url, s3_timeout=s3_timeout, content_hash=content_hash
         )
     except StorageError as exc:
-        objects = _unreachable_remote(uri, local, endpoint_url, exc, s3_timeout, fresh=bool(replicas))
+        objects = _unreachable_remote(
+            uri, local, endpoint_url, exc, s3_timeout, fresh=bool(replicas), committing=create
+        )
         objects.content_hash = content_hash
         offline = True
     if not local:
@@ -103,15 +109,10 @@ def open(  # noqa: A001 - the public name
             raise BadInputError("replicas= copies commits between nodes' local tiers: open with local= too")
         return Store(objects, catalog_file.open_catalog(objects))
     tiered, tier = _open_tier(
-        objects, local, endpoint_url, offline=offline,
-        keep=knobs.local_keep() if local_keep is None else local_keep,
-        max_bytes=knobs.local_max_bytes() if local_max_bytes is None else local_max_bytes, replicas=replicas,
+        objects, local, endpoint_url, offline=offline, keep=local_keep, max_bytes=local_max_bytes,
+        replicas=replicas,
     )  # fmt: skip
     store = Store(tiered, catalog_file.open_catalog(tiered), tier=tier)
-    upload = knobs.local_upload() if local_upload is None else local_upload
-    if upload not in ("background", "drain"):
-        store.close()
-        raise BadInputError(f"local_upload must be 'background' or 'drain', not {upload!r}")
     if upload == "background":
         tier.upload_behind()
     return store
@@ -182,11 +183,13 @@ def _unreachable_remote(
     s3_timeout: float | None,
     *,
     fresh: bool = False,
+    committing: bool = True,
 ) -> ObjectStore:
     """The store at ``uri``, unchecked, when it cannot be reached but the local tier ``local``
     has fronted it before (training goes on into the tier), or is new and ``fresh`` allows it
     (a replaced node of a job with replicas: its peers' tiers hold what it restores); else
-    ``error`` is raised."""
+    ``error`` is raised. ``committing``: the store was opened to commit (``create``), not
+    only to read, which the warning says."""
     if not (local and error.transient):
         raise error
     remote = open_objects(os.fspath(uri), endpoint_url=endpoint_url, check=False, s3_timeout=s3_timeout)
@@ -198,10 +201,20 @@ def _unreachable_remote(
         fronted = remote.uri
     if fronted != remote.uri:
         raise error
-    log.warning(
-        "ckptstore: %s cannot be reached (%s); committing to the local tier %s", remote.uri, error, local
-    )
+    doing = "committing to" if committing else "reading what is in"
+    log.warning("ckptstore: %s cannot be reached (%s); %s the local tier %s", remote.uri, error, doing, local)
     return remote
+
+
+def _require_tier(path: str) -> None:
+    """NotFoundError naming ``path`` unless it is a local tier already (``tier.pairing``): a
+    store opened without ``create`` only reads, and reading makes no tier."""
+    try:
+        paired_remote(LocalObjectStore(path, create=False))
+    except NotFoundError:
+        raise NotFoundError(
+            f"no local tier at {path} (only a store opened to commit, open(create=True), makes one)"
+        ) from None
 
 
 def _is_empty(path: str) -> bool:
@@ -215,14 +228,13 @@ def _open_tier(
     path: str,
     endpoint_url: str | None,
     *,
-    keep: Any,
-    max_bytes: Any,
+    keep: int,
+    max_bytes: int,
     replicas: int = 0,
     offline: bool = False,
 ) -> tuple[TieredObjectStore, Tier]:
-    """The local tier at ``path`` in front of ``remote``, paired with it."""
-    keep = require_int(keep, "local_keep", minimum=0, maximum=1_000_000)
-    max_bytes = require_int(max_bytes, "local_max_bytes", minimum=0, maximum=knobs.MAX_BYTES)
+    """The local tier at ``path`` in front of ``remote``, paired with it (``keep`` and
+    ``max_bytes`` checked by ``open``)."""
     if remote.content_hash.authenticated:  # the tier's objects, pairing and catalog are trusted
         private.make_folder(Path(path).expanduser().absolute())
         private.require_private(path, "the local tier")

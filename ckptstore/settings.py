@@ -2,7 +2,9 @@
 
 A setting is a reader function registered under its name with ``setting``; the readers and
 their ranges are ``knobs``'. The parsers here turn a variable's text into an integer, a
-number, a flag or a directory within a range, or raise BadInputError naming the variable.
+number, a flag or a directory within a range, or raise BadInputError naming the variable. An
+API argument with an environment form (``open(s3_timeout=...)``, ``CKPTSTORE_S3_TIMEOUT``) is
+checked by the same reader, given as ``given``: one rule for both, the error naming the argument.
 ``warn_unknown`` names the ``CKPTSTORE_*`` variables no setting reads (a misspelt setting
 would otherwise be silently unused).
 """
@@ -66,9 +68,14 @@ def read_raw(name: str) -> str | None:
     return os.environ.get(PREFIX + name)
 
 
-def read_int(name: str, default: int, minimum: int, maximum: int) -> int:
+def read_int(name: str, default: int, minimum: int, maximum: int, given: object = None) -> int:
     """``CKPTSTORE_<name>`` as an integer in ``minimum..maximum`` (``default`` when unset or
-    empty); BadInputError naming it when it is not one."""
+    empty); BadInputError naming it when it is not one. ``given`` (not None): the API argument
+    ``name.lower()`` instead, held to the same range (a bool is no integer)."""
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or not minimum <= given <= maximum:
+            raise bad_argument(name, given, f"an integer from {minimum} to {maximum}")
+        return given
     value = read_raw(name)
     if value is None or not value.strip():
         return default
@@ -82,23 +89,34 @@ def read_int(name: str, default: int, minimum: int, maximum: int) -> int:
 
 
 def read_float(
-    name: str, default: float, maximum: float, *, positive: bool = False, limit: str = ""
+    name: str,
+    default: float,
+    maximum: float,
+    *,
+    positive: bool = False,
+    limit: str = "",
+    given: object = None,
 ) -> float:
     """``CKPTSTORE_<name>`` as a number from 0 (above 0 when ``positive``) to ``maximum``
     (``default`` when unset or empty; ``limit`` says the maximum in words); BadInputError naming
     it when it is not one. NaN is never one: it compares false with everything, and so would
-    switch off what it bounds."""
-    value = read_raw(name)
-    if value is None or not value.strip():
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
+    switch off what it bounds. ``given`` (not None): the API argument ``name.lower()`` instead,
+    held to the same range (an int or float; a bool or a string is none)."""
+    low = "above 0, at most" if positive else "from 0 to"
+    kind = f"a number {low} {maximum:.15g}{f' ({limit})' if limit else ''}"
+    if given is not None:
+        number = math.nan if isinstance(given, bool) or not isinstance(given, int | float) else given
+    else:
+        value = read_raw(name)
+        if value is None or not value.strip():
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
     if not (0 < number if positive else 0 <= number) or not number <= maximum:
-        low = "above 0, at most" if positive else "from 0 to"
-        raise bad_value(name, value, f"a number {low} {maximum:.15g}{f' ({limit})' if limit else ''}")
-    return number
+        raise bad_argument(name, given, kind) if given is not None else bad_value(name, value, kind)
+    return float(number)
 
 
 def read_flag(name: str, default: bool) -> bool:
@@ -114,17 +132,26 @@ def read_flag(name: str, default: bool) -> bool:
     raise bad_value(name, value, "1 or 0 (true/false, yes/no, on/off)")
 
 
-def read_directory(name: str) -> str:
+def read_directory(name: str, given: str | None = None) -> str:
     """``CKPTSTORE_<name>`` as a directory path ("" when unset) that is, or can become, a
-    directory: neither it nor the nearest of its parents that exists is anything else."""
-    value = read_raw(name) or ""
+    directory: neither it nor the nearest of its parents that exists is anything else.
+    ``given`` (not None): the API argument ``name.lower()`` (a path string) instead."""
+    value = (read_raw(name) or "") if given is None else given
     if value:
         path = Path(value).expanduser().absolute()
         nearest = next((p for p in (path, *path.parents) if p.exists()), None)
         if nearest is not None and not nearest.is_dir():
             what = "is" if nearest == path else f"lies under {nearest}, which is"
-            raise bad_value(name, value, f"a directory (it {what} not a directory)", plain=True)
+            kind = f"a directory (it {what} not a directory)"
+            if given is not None:
+                raise BadInputError(f"{name.lower()}={clip(value, 120)}: must be {kind}")
+            raise bad_value(name, value, kind, plain=True)
     return value
+
+
+def bad_argument(name: str, value: object, kind: str) -> Exception:
+    """BadInputError: the API argument of setting ``name`` (``name.lower()``) is not ``kind``."""
+    return BadInputError(f"{name.lower()} must be {kind}, not {clip(repr(value), 40)}")
 
 
 def bad_value(name: str, value: str, kind: str, *, plain: bool = False) -> Exception:

@@ -188,7 +188,7 @@ def test_a_manifest_naming_a_refused_path_is_not_imported_from_s3(s3, tmp_path, 
     config.write_text("{}")
     store = ckptstore.open(s3.uri())
     store.commit(engine, step=4, files=[config])
-    store.commit(engine, step=5, layers=[])
+    store.commit(engine, step=5)
     store.close()
     objects = store.objects
     record = manifest.decode(objects.get(manifest_name(4)))

@@ -49,6 +49,20 @@ def test_log_lists_steps_with_layers_saved(run, store_path):
     assert [r["step"] for r in rows] == [300, 400] and rows[1]["bytes_added"] == 0
 
 
+def test_read_only_commands_at_a_mistyped_local_tier_exit_3_and_make_nothing(
+    run, store_path, tmp_path, monkeypatch
+):
+    typo = tmp_path / "nmve" / "tier"
+    for args in (["--local", typo, "log"], ["show", "--step", 300, "--local", typo]):
+        result = run("--store", store_path, *args)
+        assert result.returncode == 3 and result.stderr.startswith(f"error: no local tier at {typo} ")
+        assert len(result.stderr.splitlines()) == 1
+    monkeypatch.setenv("CKPTSTORE_LOCAL", str(typo))
+    result = run("--store", store_path, "log")
+    assert result.returncode == 3 and f"no local tier at {typo}" in result.stderr
+    assert not typo.parent.exists()
+
+
 def test_materialize_writes_a_deepspeed_directory(run, store_path, tmp_path):
     result = run("materialize", "--step", 400, tmp_path / "out", env_store=store_path)
     assert result.returncode == 0, result.stderr

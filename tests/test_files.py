@@ -27,7 +27,7 @@ def test_files_round_trip_are_inherited_and_stored_once(tmp_path, engine):
     tokenizer = write(tmp_path / "src" / "tok" / "tokenizer.json", '{"vocab": {}}')
     store = ckptstore.open(tmp_path / "store")
     store.commit(engine, step=1, files=[config, tokenizer])
-    store.commit(engine, step=2, layers=[])  # no files given: step 1's are kept
+    store.commit(engine, step=2)  # no files given: step 1's are kept
     store.commit(engine, step=3, files=tmp_path / "src")  # a directory: relative paths
     store.commit(engine, step=4, files=[])
 
@@ -76,8 +76,8 @@ def test_gc_deletes_files_only_dropped_steps_carried(tmp_path, engine):
     new = write(tmp_path / "v2" / "config.json", '{"version": 2}')
     store = ckptstore.open(tmp_path / "store")
     store.commit(engine, step=1, files=[old])
-    store.commit(engine, step=2, layers=[])  # inherits step 1's file
-    store.commit(engine, step=3, layers=[], files=[new])
+    store.commit(engine, step=2)  # inherits step 1's file
+    store.commit(engine, step=3, files=[new])
 
     kept_both = store.gc(keep_steps=[2, 3], grace=0)
     assert kept_both.steps_dropped == [1] and kept_both.files_freed == 0  # step 2 still carries v1
@@ -98,7 +98,7 @@ def test_verify_names_a_missing_or_damaged_file_and_the_steps_carrying_it(tmp_pa
 
     store = ckptstore.open(tmp_path / "store")
     store.commit(engine, step=1, files=[write(tmp_path / "config.json", '{"hidden": 32}')])
-    store.commit(engine, step=2, layers=[])
+    store.commit(engine, step=2)
     assert store.verify().files_checked == 1 and store.verify().ok
     key = store.files(1)[0].key
     path = store.objects.root / file_name(key)

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import ckptstore
+from ckptstore.catalog import sync
 from ckptstore.errors import BadInputError, CorruptError, NotFoundError
 from ckptstore.format import codec
-from ckptstore.format.layout import blob_name, pack_name
+from ckptstore.format.layout import blob_name, manifest_name, pack_name
 from ckptstore.gc import steps_to_keep
 from tools.engines import batches, build_engine, train
 
@@ -142,6 +143,46 @@ def test_gc_refuses_to_run_when_a_kept_step_misses_a_pack(composite_store):
     with pytest.raises(CorruptError, match="verify"):
         composite_store.gc(keep_last=1, grace=0)
     assert composite_store.steps() == [2, 4, 6]
+
+
+def test_gc_refuses_while_a_kept_manifest_is_unreadable_as_verify_reports_it(composite_store, run):
+    root = Path(composite_store.objects.root)
+    assert composite_store.catalog.is_recorded(4)  # gc keeps it by its rows, read before the damage
+    path = root / manifest_name(4)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the zstd frame
+    path.write_bytes(bytes(data))
+    packs = sorted(p.name for p in (root / "packs").rglob("*") if p.is_file())
+
+    assert any(manifest_name(4) in p for p in composite_store.verify(deep=False).manifest_problems)
+    for rules in ({}, {"keep_steps": [4, 6]}):
+        with pytest.raises(CorruptError, match=f"gc will not run.*{manifest_name(4)}"):
+            composite_store.gc(grace=0, **rules)
+    gc = run("--store", root, "gc", "--grace", "0")
+    assert gc.returncode == 4 and manifest_name(4) in gc.stderr and "gc will not run" in gc.stderr
+    assert composite_store.steps() == [2, 4, 6]
+    assert sorted(p.name for p in (root / "packs").rglob("*") if p.is_file()) == packs
+    # A step gc drops is never read: its manifest goes whatever it holds.
+    assert composite_store.gc(keep_last=1, grace=0).steps_dropped == [2, 4]
+
+
+def test_gc_reports_a_kept_step_whose_manifest_is_gone_as_verify_does(composite_store):
+    root = Path(composite_store.objects.root)
+    composite_store.close()
+    (root / manifest_name(2)).unlink()
+    store = ckptstore.open(root)
+    if not sync.catalog_is_shared(store.objects):
+        # A catalog of its own (a store with a key) takes it for a gc elsewhere: neither reports it.
+        assert store.steps() == [4, 6] and store.verify(deep=False).ok
+        assert store.gc(grace=0).steps_kept == [4, 6]
+        return
+    assert store.steps() == [2, 4, 6]  # the shared catalog keeps it: damage, not a gc
+    assert "step 2 has no manifest" in " ".join(store.verify(deep=False).catalog_problems)
+    with pytest.raises(CorruptError, match=f"{manifest_name(2)}: it is gone"):
+        store.gc(grace=0)
+    store.delete(2)  # what the error says to do: the step goes, and gc runs again
+    store.gc(grace=0)
+    assert store.steps() == [4, 6] and store.verify().ok
 
 
 def test_delete_drops_one_step_and_the_next_gc_frees_what_only_it_needed(composite_store, tmp_path):

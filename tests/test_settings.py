@@ -133,3 +133,30 @@ def test_an_unknown_setting_is_one_warning_line_naming_the_close_one(run, store,
         f"ckptstore: {misspelt} is not a ckptstore setting; it is ignored (did you mean CKPTSTORE_LOCAL_KEEP?)",
         f"ckptstore: {unlike} is not a ckptstore setting; it is ignored",
     ]
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [
+        ("local_upload", "bogus"),  # refused only after the tier was made, before
+        ("s3_timeout", -1),  # taken by a local store, before
+        ("s3_timeout", float("nan")),
+        ("local_keep", -1),
+        ("local_max_bytes", -1),
+        ("replicas", 1001),
+    ],
+)
+def test_every_argument_of_open_is_held_to_the_range_of_its_setting(
+    store, tmp_path, monkeypatch, argument, value
+):
+    name, tier = f"CKPTSTORE_{argument.upper()}", tmp_path / "nvme"
+    monkeypatch.setenv(name, str(value))
+    with pytest.raises(BadInputError, match=name):
+        ckptstore.open(store, local=tier)
+    monkeypatch.delenv(name)
+    with pytest.raises(BadInputError, match=f"^{argument} must be (an integer|a number|background)"):
+        ckptstore.open(store, local=tier, **{argument: value})
+    assert not tier.exists()
+    with pytest.raises(BadInputError, match="create must be True or False"):
+        ckptstore.open(store, create="no")
+    ckptstore.open(store, local=tier, local_upload="drain", s3_timeout=2.5, local_keep=0).close()

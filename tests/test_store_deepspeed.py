@@ -183,6 +183,8 @@ def test_commit_refuses_bad_layer_selections_and_duplicate_steps(tmp_path):
         store.commit(engine, step=2, layers=["model.layers.9"])
     with pytest.raises(BadInputError, match="not a single string"):
         store.commit(engine, step=2, layers="model.layers.0")
+    with pytest.raises(BadInputError, match=r"layers=\[\] saves no layer"):  # a step of counters alone
+        store.commit(engine, step=50, layers=[])
     with pytest.raises(ConflictError, match="step 1 is already committed"):
         store.commit(engine, step=1)
     with pytest.raises(BadInputError, match="non-negative integer"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.errors import BadInputError, ConflictError, StorageError
+from ckptstore.errors import BadInputError, ConflictError, NotFoundError, StorageError
 from ckptstore.format import layout
 from tests.moto_s3 import inject_faults
 from tools.engines import batches, build_engine, free_port, train
@@ -227,6 +227,18 @@ def test_a_tier_fronts_one_store_and_is_not_a_store_of_its_own(s3, node, tmp_pat
         ckptstore.open(s3.uri(), local=tmp_path / "plain")
     with pytest.raises(BadInputError, match="gc works on the store itself"):
         ckptstore.open(s3.uri(), local=nvme).gc(keep_last=1)
+
+
+def test_only_an_open_to_commit_makes_a_tier_one_to_read_names_the_missing_one(tmp_path):
+    ckptstore.open(tmp_path / "store").close()
+    typo = tmp_path / "nvme-typo" / "tier"
+    with pytest.raises(NotFoundError, match=f"no local tier at {typo}"):
+        ckptstore.open(tmp_path / "store", create=False, local=typo)
+    assert not typo.parent.exists()
+    ckptstore.open(tmp_path / "store", local=typo, local_upload="drain").close()  # create=True, as a commit's
+    assert (typo / layout.TIER_REMOTE).is_file()
+    with ckptstore.open(tmp_path / "store", create=False, local=typo) as store:
+        assert store.tier is not None and store.tier.local.root == typo
 
 
 def test_ckptstore_local_in_the_environment_gives_every_open_a_tier(s3, node, monkeypatch, engine):

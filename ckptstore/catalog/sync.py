@@ -256,9 +256,12 @@ def import_step(catalog: Catalog, objects: ObjectStore, step: int, generation: i
 
 def load_for_gc(catalog: Catalog, objects: ObjectStore, steps: Iterable[int] | None) -> None:
     """Import ``steps`` (None: every listed step) where the catalog only lists them, and check
-    their rows; CorruptError naming the manifests among them that cannot be read. What gc
-    needs of the steps it keeps before it decides what to sweep: a kept step it does not know
-    would lose its packs. Steps it drops are never read: their manifests go whatever they hold.
+    their rows; given ``steps`` (the ones gc keeps), read again the manifests of those the
+    catalog already held (``_reread``). CorruptError naming the manifests among them that
+    cannot be read or are gone. What gc needs of the steps it keeps before it decides what to
+    sweep: a kept step it does not know would lose its packs, and gc runs only on a store
+    ``verify`` passes for them. Steps it drops are never read: their manifests go whatever
+    they hold.
     """
     pending = catalog.pending_steps()
     if steps is not None:
@@ -268,10 +271,35 @@ def load_for_gc(catalog: Catalog, objects: ObjectStore, steps: Iterable[int] | N
     recorded = catalog.recorded_steps()
     # gc decides from the rows: they must be the manifests'
     catalog.check_rows(recorded if steps is None else sorted(set(steps) & set(recorded)))
+    if steps is not None:
+        _reread(catalog, objects, sorted(set(steps) & set(recorded) - set(report.imported)), report)
     if report.corrupt:
         more = f" (and {len(report.corrupt) - 1} more)" if len(report.corrupt) > 1 else ""
         raise CorruptError(
-            "gc will not run while a step it keeps has an unreadable manifest (it cannot tell which "
-            "packs the step needs): `ckptstore verify --quarantine` moves such manifests aside; "
-            f"manifest {report.corrupt[0]}{more}"
+            "gc will not run while a step it keeps has a manifest it cannot read (`ckptstore verify` "
+            "names them; `verify --quarantine` moves unreadable ones aside, `ckptstore delete --step N` "
+            f"drops a step): manifest {report.corrupt[0]}{more}"
         )
+
+
+def _reread(catalog: Catalog, objects: ObjectStore, steps: list[int], report: SyncReport) -> None:
+    """Read the manifests of ``steps``, which the catalog recorded before, as an import would,
+    adding each one that cannot be read, or is gone, to ``report.corrupt``. gc keeps such a
+    step by its catalog rows, but verify reads every manifest: a manifest damaged or removed
+    since it was imported fails verify, so it stops gc too (their word is the same). A step
+    whose manifest is gone is left in a shared catalog (``sync``), and only ``delete`` (or a
+    ``catalog rebuild``) drops it: this is where gc says so. Costs one read of each kept
+    step's manifest, as a gc from an empty cache makes."""
+    generations = catalog.generations()
+    listed = catalog.listed_generations()
+    present = {step: generations[step] for step in steps if listed.get(step) == generations[step]}
+    deleted = catalog.deletions.deleted if catalog.deletions is not None else {}
+    found: set[int] = set()
+    for batch in fetch_records(objects, present, report, deleted):
+        found.update(record.step for record, _ in batch)
+    report.corrupt += [
+        f"{layout.manifest_name(step, generations[step])}: it is gone, yet the catalog records "
+        f"step {step} by it"
+        for step in steps
+        if step not in found and step not in report.unreadable
+    ]

@@ -21,6 +21,10 @@ class WeightsOnlyQueries:
         """Recorded step -> the manifest generation its rows came from (see ``thin``)."""
         return dict(self.db.execute("SELECT step, generation FROM steps").fetchall())
 
+    def listed_generations(self) -> dict[int, int]:
+        """Listed step -> the manifest generation the last listing found for it."""
+        return dict(self.db.execute("SELECT step, generation FROM listed_steps").fetchall())
+
     def listed_generation(self, step: int) -> int:
         """The manifest generation the last listing found for ``step`` (0 if not listed)."""
         row = self.db.execute("SELECT generation FROM listed_steps WHERE step = ?", [step]).fetchone()

@@ -51,7 +51,7 @@ from .. import knobs
 from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError, redact
 from . import Data, DataReader, FileRange, ObjectInfo, ObjectStore, check_name, data_size, joined
 from .retry import retry
-from .s3_client import check_timeout, create_only, new_client, parse_s3_uri
+from .s3_client import create_only, new_client, parse_s3_uri
 from .s3_errors import STREAM_ERRORS, error_code, is_conflict, is_missing, is_precondition_failed, translate
 
 T = TypeVar("T")
@@ -74,7 +74,7 @@ class S3ObjectStore(ObjectStore):
     ) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-        self.timeout = knobs.s3_timeout() if timeout is None else check_timeout(timeout)
+        self.timeout = knobs.s3_timeout(timeout)
         self.client = new_client(endpoint_url, self.timeout)
         # What boto3 resolved (endpoint_url=, AWS_ENDPOINT_URL, or AWS for the region).
         self.endpoint: str = self.client.meta.endpoint_url

@@ -33,14 +33,6 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, f"{prefix}/" if prefix else ""
 
 
-def check_timeout(timeout: Any) -> float:
-    """``timeout`` (seconds) if it is a number above 0 and at most an hour (as
-    ``CKPTSTORE_S3_TIMEOUT``); BadInputError otherwise."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
-        raise BadInputError(f"s3_timeout must be a number of seconds above 0, at most 3600, not {timeout!r}")
-    return float(timeout)
-
-
 def create_only(params: dict, **_: Any) -> None:
     # Every object S3ObjectStore writes is create-only; see its module's docstring.
     params.setdefault("IfNoneMatch", "*")
