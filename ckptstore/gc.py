@@ -14,10 +14,12 @@ Order of a collection, each phase safe to interrupt:
    manifests are buried from then on, and their names never written again), drop their catalog
    rows in one transaction (tensor rows that a kept composite step still inherits stay), then
    delete their manifests, and any buried ones. Interrupted in between, the next gc deletes
-   what is left.
-4. Sweep: delete every pack, blob and stored auxiliary file (``files=``) no kept step
-   references and older than the grace period, and the unfinished writes (``.tmp``) killed
-   writers left that are older than it too.
+   what is left. Without a key a deletion record is anyone's word (``PutObject`` alone writes
+   one), so gc deletes only the buried manifests of the steps it drops itself; any other stays,
+   and so does everything it needs (``deletions.kept_buried``): a record alone frees nothing.
+4. Sweep: delete every pack, blob and stored auxiliary file (``files=``) no kept step (nor
+   staying buried manifest) references and older than the grace period, and the unfinished
+   writes (``.tmp``) killed writers left that are older than it too.
 
 Concurrency. A commit holds the store's gc lock shared from choosing its layers to recording
 its step; gc holds it exclusive from step 2 to the end. So a gc runs wholly before a commit
@@ -31,6 +33,7 @@ blobs they reuse. Two gc runs at once simply take turns.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,11 +42,13 @@ from datetime import timedelta
 from . import knobs
 from .arguments import check_retention, check_seconds
 from .catalog import Catalog, sync
-from .errors import BadInputError, CorruptError, clip
+from .errors import BadInputError, CorruptError, NotFoundError, clip
 from .format import deletions, layout
 from .objects import ObjectInfo, ObjectStore
 from .progress import progress_bar
 from .thin import thin, weights_to_keep
+
+log = logging.getLogger("ckptstore")
 
 
 @dataclass
@@ -216,7 +221,8 @@ def collect(
             best=_best_steps(catalog, rules), other_rules=weights_rules,
         )  # fmt: skip
         drop_steps = set(drop_steps)  # once: an iterator would be spent by the first look
-        missing = sorted(drop_steps - set(steps))
+        # a step whose manifests are all buried is no step, but delete may remove them
+        missing = sorted(drop_steps - set(steps) - deletions.buried_steps(listing))
         if missing:
             raise BadInputError(f"cannot drop steps that do not exist: {', '.join(map(str, missing))}")
         kept = [s for s in kept if s not in drop_steps]
@@ -244,14 +250,19 @@ def collect(
             report.steps_weights_only = sorted(set(weights) | (already & set(kept)))
             report.steps_thinned, report.layers_thinned = thinned.steps, thinned.units
         kept = kept + weights
+        staying = _staying_buried(objects, listing, set(dropped) | drop_steps)
 
         cutoff = (time.time() if now is None else now) - grace
-        doomed = _unreferenced(layout.list_blobs(objects), catalog.blobs_of_steps(kept), cutoff, "blob")
-        doomed_packs = _unreferenced(layout.list_packs(objects), catalog.packs_of_steps(kept), cutoff, "pack")
+        doomed = _unreferenced(
+            layout.list_blobs(objects), catalog.blobs_of_steps(kept), cutoff, "blob", staying.blobs
+        )
+        doomed_packs = _unreferenced(
+            layout.list_packs(objects), catalog.packs_of_steps(kept), cutoff, "pack", staying.packs
+        )
         doomed.gone += doomed_packs.gone
         doomed.spared += doomed_packs.spared
         doomed_files = _unreferenced(
-            layout.list_files(objects), catalog.files_of_steps(kept), cutoff, "auxiliary file"
+            layout.list_files(objects), catalog.files_of_steps(kept), cutoff, "auxiliary file", staying.files
         )
         report.blobs_spared, report.files_spared = len(doomed.spared), len(doomed_files.spared)
         report.bytes_spared = sum(info.size for info in doomed.spared + doomed_files.spared)
@@ -267,10 +278,11 @@ def collect(
         last = {s: max([*listing.generations.get(s, []), recorded.get(s, 0)]) for s in dropped}
         deletions.record(objects, last)  # from here on the steps are gone, whatever happens next
         catalog.drop_steps(dropped)
+        staying_names = set(deletions.kept_buried(listing, objects.content_hash, set(dropped) | drop_steps))
         _delete(
             objects,
             [layout.manifest_name(s, g) for s in dropped for g in listing.generations.get(s, [])]
-            + listing.buried,
+            + [name for name in listing.buried if name not in staying_names],
             "manifest",
         )
         _delete(objects, [info.name for info in doomed.gone + doomed_files.gone], "object")
@@ -280,9 +292,15 @@ def collect(
 
 def delete_step(objects: ObjectStore, catalog: Catalog, step: int, *, dry_run: bool) -> GcReport:
     """Drop ``step``'s record (``Store.delete``); its blobs go at a later gc unless other steps
-    need them. NotFoundError (naming the known steps) for an unknown step, StorageError when
-    the catalog is a read-only copy and ``dry_run`` is false."""
-    catalog.description(step)
+    need them. A step a deletion record buries but whose manifests stay (without a key: an
+    interrupted delete, or a record someone planted) has them removed. NotFoundError (naming
+    the known steps) for an unknown step, StorageError when the catalog is a read-only copy
+    and ``dry_run`` is false."""
+    try:
+        catalog.description(step)
+    except NotFoundError:
+        if step not in deletions.buried_steps(deletions.list_manifests(objects)):
+            raise
     return collect(
         objects,
         catalog,
@@ -292,6 +310,29 @@ def delete_step(objects: ObjectStore, catalog: Catalog, step: int, *, dry_run: b
         allow_empty=True,
         verb="delete",
     )
+
+
+def _staying_buried(objects: ObjectStore, listing: layout.ManifestListing, going: set[int]) -> sync.Needs:
+    """What the buried manifests that stay need (``deletions.kept_buried``: without a key, those
+    of steps not in ``going``); CorruptError if one cannot be read, as for a kept step."""
+    names = deletions.kept_buried(listing, objects.content_hash, going)
+    if not names:
+        return sync.Needs()
+    needs = sync.needs_of(objects, names)
+    unreadable = {**needs.unreadable, **needs.newer}
+    if unreadable:
+        name, why = next(iter(unreadable.items()))
+        raise CorruptError(
+            "gc will not run while a manifest a deletion record buries cannot be read: without a key "
+            "gc keeps such a manifest and what it needs, and cannot tell what that is; "
+            f"`ckptstore verify --quarantine` moves it aside; manifest {name}: {why}"
+        )
+    log.warning(
+        "ckptstore: kept %d manifest(s) a deletion record buries, and what they need: %s (without a "
+        "key a record alone deletes nothing; `ckptstore delete --step N` removes them)",
+        len(names), ", ".join(names[:5]) + (", ..." if len(names) > 5 else ""),
+    )  # fmt: skip
+    return needs
 
 
 def _sweep_temporary(objects: ObjectStore, cutoff: float, report: GcReport) -> None:
@@ -337,8 +378,12 @@ class _Sweep:
     gone_keys: list[str] = field(default_factory=list)
 
 
-def _unreferenced(stored: layout.Listing[str], referenced: set[str], cutoff: float, what: str) -> _Sweep:
-    """The stored objects no kept step references; CorruptError if a referenced one is missing.
+def _unreferenced(
+    stored: layout.Listing[str], referenced: set[str], cutoff: float, what: str, spared: set[str]
+) -> _Sweep:
+    """The stored objects no kept step references, nor ``spared`` names (what staying buried
+    manifests need: kept if there, but no step misses them); CorruptError if a referenced one
+    is missing.
 
     Stray names (not names the store writes) are never deleted: they are not ckptstore's."""
     absent = stored.missing(referenced)
@@ -348,7 +393,7 @@ def _unreferenced(stored: layout.Listing[str], referenced: set[str], cutoff: flo
             "on a damaged store: run `ckptstore verify` to see which steps are affected"
         )
     sweep = _Sweep()
-    for key, info in stored.unreferenced(referenced).items():
+    for key, info in stored.unreferenced(referenced | spared).items():
         if info.mtime > cutoff:
             sweep.spared.append(info)
         else:

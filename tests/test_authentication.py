@@ -16,7 +16,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import BadInputError, CorruptError
-from ckptstore.format import layout, manifest
+from ckptstore.format import deletions, layout, manifest
 from ckptstore.format.pack import PREAMBLE, Entry, index_bytes, parse_index
 from ckptstore.model import StepRecord
 from ckptstore.objects import open_objects
@@ -290,9 +290,14 @@ def test_a_deleted_steps_manifest_put_back_is_not_the_step_before_or_after_it_is
     fresh = open_store(uri, keyed)
     assert fresh.steps() == [2, 4] and same_weights(fresh.state_dict(4), again)
     report = fresh.verify(deep=False)
-    assert report.ok and report.buried_manifests == [old]
-    fresh.gc(grace=0)  # the buried manifest goes, and the packs only it named
-    assert not objects.exists(old) and same_weights(fresh.state_dict(4), again)
+    assert report.ok and report.buried_manifests == [old] and report.buried_kept != keyed
+    packs = packs_on(objects)
+    fresh.gc(grace=0)
+    if keyed:  # the buried manifest goes, and the packs only it named
+        assert not objects.exists(old) and packs_on(objects) < packs
+    else:  # the record alone is anyone's word: the manifest stays, and what it needs
+        assert objects.exists(old) and packs_on(objects) == packs
+    assert same_weights(fresh.state_dict(4), again)
 
 
 def test_a_rollback_of_the_deletion_record_shows_in_verify_and_a_warm_node_keeps_the_newer_step(
@@ -329,6 +334,88 @@ def test_a_rollback_of_the_deletion_record_shows_in_verify_and_a_warm_node_keeps
     assert same_weights(warm.state_dict(4), again)
     problems = warm.verify(deep=False).manifest_problems
     assert any("older than generation 1 this node read before" in problem for problem in problems)
+
+
+def plant_deletion(objects, deleted: dict[int, int], sequence: int = 0) -> None:
+    """Write a deletion record saying ``deleted`` (step -> generation), create-only, as someone
+    allowed to put objects but not to delete them can; tagged with random bytes when the store
+    has a key."""
+    name = layout.deletions_name(sequence)
+    data = deletions.encode(deleted, name, objects.content_hash)
+    if b"key_check" in objects.get(layout.CONFIG):
+        data = b"CKPD" + bytes([deletions.AUTHENTICATED_VERSION]) + os.urandom(32) + data[5:]
+    assert objects.put_if_absent(name, data)
+
+
+def packs_of(objects, step: int) -> set[str]:
+    return {ref.key for index in read_record(objects, step).packs.values() for ref in index.packs}
+
+
+def test_a_planted_deletion_record_never_makes_gc_free_a_live_step(committed, keyed, run, tmp_path):
+    """PutObject alone (no delete right) must not become deletion: the operator's routine gc
+    after a planted record deletes neither step 4's manifest nor its packs."""
+    uri, truth = committed
+    objects = attacker(uri)
+    manifest4, only4 = layout.manifest_name(4), packs_of(objects, 4) - packs_of(objects, 2)
+    plant_deletion(objects, {4: 0})
+    packs = packs_on(objects)
+    store = open_store(uri, keyed)
+
+    if keyed:  # as before: the unauthentic record stops gc until it is moved aside
+        with pytest.raises(CorruptError, match="deletion record .* is not authentic"):
+            store.gc(grace=0)
+        assert store.steps() == [2, 4] and packs_on(objects) == packs
+        return
+    assert store.steps() == [2]  # the record still buries it (a reader's limit without a key) ...
+    report = store.gc(grace=0)
+    assert report.steps_dropped == [] and report.blobs_freed == 0
+    assert objects.exists(manifest4) and packs_on(objects) == packs  # ... but frees nothing
+    assert store.gc(keep_last=1, grace=0).steps_dropped == []  # retention counts steps only
+    assert objects.exists(manifest4) and packs_on(objects) == packs
+    verified = store.verify(deep=True)
+    assert verified.ok and verified.buried_manifests == [manifest4] and verified.buried_kept
+    assert not set(verified.orphans) & only4  # gc keeps them: no orphans
+    cli = run("--store", uri, "verify", "--fast")
+    assert cli.returncode == 0 and "without a key a deletion record alone deletes nothing" in cli.stdout
+    store.close()
+
+    removed = run("--store", uri, "delete", "--step", "4")  # the remedy, with the delete right
+    assert removed.returncode == 0 and not objects.exists(manifest4)
+    store = open_store(uri, keyed)
+    store.gc(grace=0)
+    assert packs_on(objects) == packs - only4 and store.steps() == [2]
+    assert same_weights(store.state_dict(2), truth[2])
+
+
+def test_a_real_delete_then_gc_frees_the_step(committed, keyed):
+    uri, truth = committed
+    objects = attacker(uri)
+    only4 = packs_of(objects, 4) - packs_of(objects, 2)
+    store = open_store(uri, keyed)
+    store.delete(4)
+    assert not objects.exists(layout.manifest_name(4))
+    store.gc(grace=0)
+    assert not packs_on(objects) & only4 and store.steps() == [2]
+    assert store.verify(deep=False).ok and same_weights(store.state_dict(2), truth[2])
+
+
+def test_a_planted_record_over_an_unreadable_manifest_stops_gc_until_quarantined(where, zero1_engine, run):
+    """Without a key gc keeps a buried manifest and what it needs, so it must read it; one it
+    cannot read stops it, as a kept step's does, and verify --quarantine moves it aside. (With
+    a key the unauthentic record stops gc first, as above.)"""
+    uri, keyed = where, False
+    truth = commit_two_steps(uri, keyed, zero1_engine)
+    objects = attacker(uri)
+    junk = layout.manifest_name(6)
+    objects.put_if_absent(junk, b"CKPM\x03" + os.urandom(64))
+    plant_deletion(objects, {6: 0})
+    refused = run("--store", uri, "gc")
+    assert refused.returncode == 4 and junk in refused.stderr and "verify --quarantine" in refused.stderr
+    moved = run("--store", uri, "verify", "--fast", "--quarantine")
+    assert moved.returncode == 1 and f"quarantined: {junk}" in moved.stdout
+    assert run("--store", uri, "gc").returncode == 0
+    store = open_store(uri, keyed)
+    assert store.steps() == [2, 4] and same_weights(store.state_dict(4), truth[4])
 
 
 # -- junk names and unreadable manifests -------------------------------------------------------

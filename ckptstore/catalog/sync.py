@@ -254,6 +254,43 @@ def import_step(catalog: Catalog, objects: ObjectStore, step: int, generation: i
     import_record(catalog, record, generation)
 
 
+@dataclass
+class Needs:
+    """What some manifests reference, by key, and which of them could not be read."""
+
+    packs: set[str] = field(default_factory=set)
+    blobs: set[str] = field(default_factory=set)
+    files: set[str] = field(default_factory=set)
+    unreadable: dict[str, str] = field(default_factory=dict)  # name -> why (damaged or unauthentic)
+    newer: dict[str, str] = field(default_factory=dict)  # name -> why (a newer ckptstore wrote it)
+
+
+def needs_of(objects: ObjectStore, names: Iterable[str]) -> Needs:
+    """The packs, blobs and auxiliary files the manifests ``names`` reference (own and
+    inherited layers), each read whole and imported nowhere: what gc spares for manifests that
+    are no steps but stay (``deletions.kept_buried``). One gone since the listing needs
+    nothing; one that cannot be read is named in ``unreadable`` or ``newer``."""
+    needs = Needs()
+    for name in names:
+        parsed = layout.parse_manifest_name(name)
+        if parsed is None:
+            continue  # not a manifest name: a stray, which references nothing
+        try:
+            record = read_manifest(objects, *parsed)
+        except NotFoundError:
+            continue
+        except CorruptError as exc:
+            needs.unreadable[name] = str(exc)
+            continue
+        except UnsupportedError as exc:
+            needs.newer[name] = str(exc)
+            continue
+        needs.packs.update(ref.key for index in record.packs.values() for ref in index.packs)
+        needs.blobs.update(row.key for row in record.blobs)
+        needs.files.update(row.key for row in record.files)
+    return needs
+
+
 def load_for_gc(catalog: Catalog, objects: ObjectStore, steps: Iterable[int] | None) -> None:
     """Import ``steps`` (None: every listed step) where the catalog only lists them, and check
     their rows; given ``steps`` (the ones gc keeps), read again the manifests of those the

@@ -61,7 +61,12 @@ def verify(ctx: click.Context, fast: bool, deep: bool, quarantine: bool, as_json
             click.echo(
                 f"info: {len(report.buried_manifests)} manifest(s) of deleted steps: "
                 f"{', '.join(report.buried_manifests[:5])}{', ...' if len(report.buried_manifests) > 5 else ''} "
-                "(not steps; gc removes them)"
+                + (
+                    "(not steps; kept, with what they need: without a key a deletion record alone deletes "
+                    "nothing; `ckptstore delete --step N` removes them)"
+                    if report.buried_kept
+                    else "(not steps; gc removes them)"
+                )
             )
         for name, target in report.quarantined.items():
             click.echo(f"quarantined: {name} -> {target}")

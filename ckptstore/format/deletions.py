@@ -7,10 +7,13 @@ deletion of the one before it plus the new ones, and the two newest are kept): `
 then one zstd frame (with its checksum) of canonical JSON ``{"deleted": [[step, generation],
 ...]}``; in a store with a key ``u8 2``, a 32-byte tag binding the frame to the record's name
 (``hashing.ContentHash.tag``), then the frame. A manifest of a deleted step at or below its
-deleted generation is *buried*: not a step, reported by ``verify``, deleted by the next gc. A
-step committed again is written at the generation above (``next_generation``), and its record
-names the generation it supersedes (``StepRecord.supersedes``), so that a deletion missing from
-the record shows.
+deleted generation is *buried*: not a step, reported by ``verify``. With a key the next gc
+deletes it. Without one a record is anyone's word (``PutObject`` alone writes one), so it never
+deletes a manifest or frees what one needs (``kept_buried``): a buried manifest stays, with
+its packs, blobs and files, until a ``delete`` or gc that drops its step removes it, which
+takes the right to delete. A step committed again is written at the generation above
+(``next_generation``), and its record names the generation it supersedes
+(``StepRecord.supersedes``), so that a deletion missing from the record shows.
 
 Readers take the newest record they can read (with a key: authenticate); a newer one they
 cannot is passed over and reported, and gc refuses to run past it. An older ckptstore sees the
@@ -128,6 +131,29 @@ def list_manifests(objects: ObjectStore) -> layout.ManifestListing:
         else:
             del listing.generations[step], listing.found[step]
     return listing
+
+
+def kept_buried(
+    listing: layout.ManifestListing, content_hash: ContentHash, going: Iterable[int] = ()
+) -> list[str]:
+    """The buried manifests of ``listing`` that stay, and keep what they need: in a store
+    without a key, each one whose step is not in ``going`` (the steps a delete or gc drops
+    now, whose manifests it removes itself); with a key (records authenticated), none."""
+    if content_hash.authenticated:
+        return []
+    going = set(going)
+    return [name for name in listing.buried if _step_of(name) not in going]
+
+
+def buried_steps(listing: layout.ManifestListing) -> set[int]:
+    """The steps ``listing`` has buried manifests of."""
+    return {_step_of(name) for name in listing.buried}
+
+
+def _step_of(name: str) -> int:
+    parsed = layout.parse_manifest_name(name)
+    assert parsed is not None, name  # buried names come from a listing's parsed names
+    return parsed[0]
 
 
 def _listed(objects: ObjectStore) -> list[int]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import auxfiles, knobs
-from ..catalog import Catalog
+from ..catalog import Catalog, sync
 from ..dcp import dcp_description
 from ..dcp.directory import refused_bytes_items
 from ..errors import CorruptError, NotFoundError, UnsupportedError
@@ -58,6 +58,7 @@ def verify(
     report = VerifyReport(deep=deep)
     manifests = deletions.list_manifests(objects)
     report.buried_manifests = manifests.buried
+    staying = _staying_buried(objects, manifests, report)
     report.unreadable_manifests.extend(manifests.unreadable)
     report.manifest_problems.extend(manifests.problems)
     pause("listed")
@@ -104,7 +105,8 @@ def verify(
             report.bytes_checked += size
             if problem:
                 report.problems.append(BlobProblem(key, problem, users[key]))
-    report.orphans = sorted([*blobs.unreferenced(users), *packs.unreferenced(users)])
+    needed = set(users) | staying.blobs | staying.packs  # what gc keeps
+    report.orphans = sorted([*blobs.unreferenced(needed), *packs.unreferenced(needed)])
     files = layout.list_files(objects)
     _verify_files(objects, catalog, files, report)
     report.stray_objects = sorted(manifests.stray + blobs.stray + packs.stray + files.stray)
@@ -117,6 +119,22 @@ def verify(
     if quarantine:
         report.quarantined = move_aside(objects, report.unreadable_manifests)
     return report
+
+
+def _staying_buried(
+    objects: ObjectStore, manifests: layout.ManifestListing, report: VerifyReport
+) -> sync.Needs:
+    """What the buried manifests gc keeps need (without a key, every one: ``deletions.kept_buried``),
+    which are then no orphans; one that cannot be read is a problem, as gc refuses to run then."""
+    names = deletions.kept_buried(manifests, objects.content_hash)
+    report.buried_kept = bool(names)
+    needs = sync.needs_of(objects, names)
+    for name, why in {**needs.unreadable, **needs.newer}.items():
+        report.manifest_problems.append(
+            f"manifest {name}, which a deletion record buries, cannot be read: {why}"
+        )
+    report.unreadable_manifests.extend(needs.unreadable)
+    return needs
 
 
 def _count_temporary(objects: ObjectStore, report: VerifyReport) -> None:

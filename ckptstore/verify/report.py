@@ -58,8 +58,10 @@ class VerifyReport:
     # manifests and deletion records that cannot be read or are not authentic (what
     # ``verify --quarantine`` moves aside); one a newer ckptstore wrote is not among them
     unreadable_manifests: list[str] = field(default_factory=list)
-    # manifests of deleted steps (``format.deletions``): not steps; gc deletes them
+    # manifests of deleted steps (``format.deletions``): not steps; gc deletes them with a key,
+    # and without one keeps them with what they need (``buried_kept``): a record alone frees nothing
     buried_manifests: list[str] = field(default_factory=list)
+    buried_kept: bool = False
     # what ``verify --quarantine`` moved: name -> where it is now
     quarantined: dict[str, str] = field(default_factory=dict)
     # unfinished writes (``.tmp``): in flight, or left by killed writers (gc removes old ones)
@@ -97,6 +99,7 @@ class VerifyReport:
             "stray_objects": self.stray_objects,
             "unreadable_manifests": self.unreadable_manifests,
             "buried_manifests": self.buried_manifests,
+            "buried_kept": self.buried_kept,
             "quarantined": self.quarantined,
             "temporary": self.temporary,
             "temporary_bytes": self.temporary_bytes,
