@@ -258,13 +258,14 @@ def test_an_attached_load_that_materializes_reads_every_file_weights_only(tmp_pa
     assert len(read) >= 2 and all(p.endswith(".pt") for p in read)
 
 
-def committed_with(tmp_path, engine, files: dict[str, bytes], keyed: bool = False):
-    """A store whose step 4 keeps ``files``, committed as any user would (``files=``)."""
+def committed_with(tmp_path, engine, files: dict[str, bytes], keyed: bool = False, uri=None):
+    """A store (at ``uri``, default tmp_path/store) whose step 4 keeps ``files``, committed as
+    any user would (``files=``)."""
     source = tmp_path / "src"
     for name, data in files.items():
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_bytes(data)
-    store = ckptstore.open(tmp_path / "store", key=KEY if keyed else None)
+    store = ckptstore.open(uri or tmp_path / "store", key=KEY if keyed else None)
     store.commit(engine, step=4, files=source)
     return store
 
@@ -355,14 +356,19 @@ def every_file_loaded(out: pathlib.Path) -> int:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")
-@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
-def test_no_pickle_flavour_committed_or_planted_reaches_any_loader_of_the_directory(tmp_path, engine, keyed):
+@pytest.mark.parametrize(
+    "where, keyed", [("local", False), ("local", True), ("s3", False)], ids=["unkeyed", "keyed", "s3"]
+)
+def test_no_pickle_flavour_committed_or_planted_reaches_any_loader_of_the_directory(
+    tmp_path, engine, where, keyed, request
+):
     from tests.test_plainfile import hostile_files, pickle_files
 
     marker = tmp_path / "ran"
     hostile = {name.replace(".", "-committed."): data for name, data in hostile_files(marker).items()}
-    store = committed_with(tmp_path, engine, {**hostile, **pickle_files()}, keyed)  # a commit runs none
-    if not keyed:  # a writer points rows at the bytes themselves (a keyed store refuses such rows)
+    uri = request.getfixturevalue("s3").uri() if where == "s3" else None
+    store = committed_with(tmp_path, engine, {**hostile, **pickle_files()}, keyed, uri)  # a commit runs none
+    if where == "local" and not keyed:  # a writer points rows at the bytes (a keyed store refuses such rows)
         for name, data in hostile_files(marker).items():
             add_row(store, 4, name.replace(".", "-planted."), data)
         assert {row.path for row in store.files(4)} >= {

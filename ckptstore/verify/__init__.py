@@ -45,8 +45,9 @@ def verify(
 
     Contract as ``Store.verify``. Listing each namespace once, it checks that every referenced
     pack and blob exists with its recorded size; ``deep`` also fetches, decodes and re-hashes
-    each, and reports each auxiliary file and DCP bytes item materialize would refuse as a
-    pickle that needs more than ``torch.load(weights_only=True)``. What it finds is checked
+    each, and reports each auxiliary file kept as plain data that does not rebuild and each DCP
+    bytes item materialize would refuse (kept as bytes, or malformed plain data); a file
+    materialize leaves out is no problem (nothing is corrupt). What it finds is checked
     again at the end (``recheck``), so a gc running beside it makes no problem.
     ``between(phase)`` is called between its phases ("listed": the manifests listed;
     "manifest": one manifest read, before it is compared with the catalog; "indexed": the
@@ -172,10 +173,9 @@ def _verify_files(
 
 
 def _verify_bytes_items(objects: ObjectStore, catalog: Catalog, report: VerifyReport) -> None:
-    """Deep: every bytes item of a DCP step loads with ``torch.load(weights_only=True)``, as
-    materialize requires (DCP's reader unpickles it); one that does not is a problem of its
-    pack, needed by each step that reads it. A pack that cannot be read is reported by the
-    pack check."""
+    """Deep: every bytes item of a DCP step is plain data that rebuilds, as materialize
+    requires (``dcp.bytesitems``); one that is not is a problem of its pack, needed by each
+    step that reads it. A pack that cannot be read is reported by the pack check."""
     found: dict[tuple[str, str], BlobProblem] = {}
     for step in catalog.steps():
         try:
