@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import auxfiles, frontdoors, strategies
+from . import report as report_
 from .arguments import check_step, while_open
 from .catalog import Catalog
 from .commit.background import CommitHandle
@@ -107,6 +108,21 @@ class Store(TierVerbs):
     def files(self, step: int) -> list[FileRow]:
         """The auxiliary files kept with ``step``. Raises NotFoundError."""
         return self.catalog.files(check_step(step))
+
+    @while_open
+    def report(
+        self, out: str | os.PathLike | None = None, *, steps: str | None = None, force: bool = False
+    ) -> report_.Figures:
+        """What the store saw at each step of ``steps`` (``"A..B"``, ``"A.."``, ``"..B"``, one
+        step; None: all): each layer's update and whether the step saved it, logical and stored
+        bytes per step and cumulative, the dedup ratio. With ``out``, also writes the report
+        there (PNG charts, ``index.html``, ``figures.json``; matplotlib needed, UnsupportedError
+        without it), checked and replaced as ``materialize`` treats its output. Raises
+        BadInputError for a malformed range, NotFoundError when no step lies in it."""
+        figures = report_.gather(self, *report_.parse_range(steps))
+        if out is not None:
+            report_.write(self, out, figures, force=force)
+        return figures
 
     # -- commit ----------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ LAYERS = [
     {"format"},
     {"catalog", "deepspeed", "strategies", "auxfiles", "arguments"},
     {"commit", "materialize", "verify", "quarantine", "gc", "thin", "restore", "dcp", "tier"},
-    {"export", "frontdoors"},
+    {"export", "frontdoors", "report"},
     {"store"},
     {"opening"},
     {"cli", "__init__", "__main__", "integrations"},

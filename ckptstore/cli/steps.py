@@ -105,3 +105,33 @@ def _print_log(rows: list, where: dict[int, str] | None = None) -> None:
 
 def _metric(value: float | None) -> str:
     return "nan" if value is None else f"{value:.6g}"
+
+
+@cli.command()
+@click.option("--steps", "steps", default=None, metavar="A..B",
+              help="The steps to show: A..B, A.., ..B or one step (default: all).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object (OUT optional).")
+@click.option("--force", is_flag=True, help="Replace OUT if an earlier report (or materialize) wrote it.")
+@click.argument("out", required=False, type=click.Path(file_okay=False))
+@click.pass_context
+def report(ctx: click.Context, steps: str | None, as_json: bool, force: bool, out: str | None) -> None:
+    """Draw what the store saw into folder OUT: PNG charts and an index.html with the numbers.
+
+    A heatmap of each layer's update at each step (x: the layers that step saved), logical
+    vs stored bytes per step and cumulative, and the dedup ratio; figures.json holds the
+    numbers. The charts need matplotlib (pip install 'ckptstore[report]'); --json prints the
+    figures without it.
+
+    Example: ckptstore --store runs/store report --steps 100..900 runs/report
+    """
+    if out is None and not as_json:
+        raise click.UsageError("give an output folder OUT, or --json")
+    with open_store(ctx) as store:
+        figures = store.report(out, steps=steps, force=force)
+    if as_json:
+        click.echo(json.dumps(figures.as_json()))
+    else:
+        ratio = "-" if figures.dedup_ratio is None else f"{figures.dedup_ratio:.2f}x"
+        click.echo(
+            f"reported steps {figures.steps[0]} to {figures.steps[-1]} at {out} (logical / stored: {ratio})"
+        )

@@ -1,0 +1,104 @@
+"""What a store saw, step by step, as numbers for a report: the catalog's figures, gathered once.
+
+For each step in the range: every layer's update magnitude measured at that commit (the
+statistic layer-wise tailoring selects by, ``commit.stats``) and whether the step saved the
+layer or inherited it; the logical bytes of the step (what its tensors take uncompressed,
+saved or inherited), the bytes it added to the store and both running totals; and the dedup
+ratio (logical over stored). ``Figures.as_json`` is what ``ckptstore report --json`` prints
+and what the charts draw (``report.charts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import BadInputError, NotFoundError
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The figures of ``steps`` (ascending), one entry per step in each per-step list.
+
+    ``updates[i][j]``: layer ``layers[j]``'s update measured at ``steps[i]`` (None where none
+    could be measured); ``saved[i][j]``: whether ``steps[i]`` saved that layer itself.
+    """
+
+    steps: list[int]
+    layers: list[str]
+    updates: list[list[float | None]]
+    saved: list[list[bool]]
+    logical_bytes: list[int]
+    stored_bytes: list[int]
+    cumulative_logical_bytes: list[int]
+    cumulative_stored_bytes: list[int]
+    dedup_ratio: float | None
+
+    def as_json(self) -> dict[str, Any]:
+        """The figures as JSON-compatible data."""
+        return asdict(self)
+
+
+def parse_range(text: str | None) -> tuple[int | None, int | None]:
+    """``"A..B"``, ``"A.."``, ``"..B"`` or ``"A"`` as inclusive bounds (None: open).
+    BadInputError for anything else."""
+    if text is None or text == "":
+        return None, None
+    first, dots, last = text.partition("..")
+    try:
+        low = int(first) if first else None
+        high = (int(last) if last else None) if dots else low
+    except ValueError:
+        raise BadInputError(f"--steps takes A..B, A.., ..B or one step, not {text!r}") from None
+    if low is not None and high is not None and low > high:
+        raise BadInputError(f"--steps {text}: the first step is after the last")
+    return low, high
+
+
+def gather(store: Any, low: int | None = None, high: int | None = None) -> Figures:
+    """The figures of ``store``'s committed steps from ``low`` to ``high`` (inclusive, None:
+    open), read from its catalog. NotFoundError when no committed step lies in the range."""
+    rows = [
+        row for row in store.log() if (low is None or row.step >= low) and (high is None or row.step <= high)
+    ]
+    if not rows:
+        where = (
+            ""
+            if low is None and high is None
+            else f" between {low if low is not None else 'the first'} and {high if high is not None else 'the last'}"
+        )
+        raise NotFoundError(f"no committed step{where}: nothing to report")
+    shown = {row.step: {layer.layer: layer for layer in store.show(row.step)} for row in rows}
+    layers = sorted({name for by_name in shown.values() for name in by_name}, key=_layer_order)
+    updates, saved, logical = [], [], []
+    for row in rows:
+        by_name = shown[row.step]
+        updates.append([by_name[name].update if name in by_name else None for name in layers])
+        saved.append([name in by_name and by_name[name].source == row.step for name in layers])
+        logical.append(sum(layer.raw_bytes for layer in by_name.values()))
+    stored = [row.bytes_added for row in rows]
+    total_logical, total_stored = _running(logical), _running(stored)
+    return Figures(
+        steps=[row.step for row in rows],
+        layers=layers,
+        updates=updates,
+        saved=saved,
+        logical_bytes=logical,
+        stored_bytes=stored,
+        cumulative_logical_bytes=total_logical,
+        cumulative_stored_bytes=total_stored,
+        dedup_ratio=total_logical[-1] / total_stored[-1] if total_stored[-1] else None,
+    )
+
+
+def _running(values: list[int]) -> list[int]:
+    total, out = 0, []
+    for value in values:
+        total += value
+        out.append(total)
+    return out
+
+
+def _layer_order(name: str) -> tuple:
+    """Layers in model order where names say it: numbered blocks by number, not as text."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
