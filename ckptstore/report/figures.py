@@ -11,6 +11,7 @@ and what the charts draw (``report.charts``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from typing import Any
 
 from ..errors import BadInputError, NotFoundError
@@ -77,7 +78,7 @@ def gather(store: Any, low: int | None = None, high: int | None = None) -> Figur
         saved.append([name in by_name and by_name[name].source == row.step for name in layers])
         logical.append(sum(layer.raw_bytes for layer in by_name.values()))
     stored = [row.bytes_added for row in rows]
-    total_logical, total_stored = _running(logical), _running(stored)
+    total_logical, total_stored = list(accumulate(logical)), list(accumulate(stored))
     return Figures(
         steps=[row.step for row in rows],
         layers=layers,
@@ -89,14 +90,6 @@ def gather(store: Any, low: int | None = None, high: int | None = None) -> Figur
         cumulative_stored_bytes=total_stored,
         dedup_ratio=total_logical[-1] / total_stored[-1] if total_stored[-1] else None,
     )
-
-
-def _running(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for value in values:
-        total += value
-        out.append(total)
-    return out
 
 
 def _layer_order(name: str) -> tuple:
