@@ -1,0 +1,149 @@
+"""Megatron-DeepSpeed's 3D setting through DeepSpeed's own machinery, run by
+tests/test_megatron3d.py as one ``torch.distributed.run`` job of 4 ranks:
+
+    python -m torch.distributed.run --nproc_per_node 4 tests/megatron3d_worker.py ROOT RESULT
+
+For ``tools/megatron_gpt``'s ``GPTModelPipe`` at PP 2 × TP 2 and at PP 2 × TP 1 × DP 2 (bf16,
+ZeRO-1): train two steps, save, train on (the uninterrupted run); resume a fresh engine with
+``load_checkpoint`` and train the same batches; convert the save with ``ds_to_universal`` and
+load it with ``load_universal`` into other layouts of the 4 ranks and train on. What ckptstore's
+commit does with the 3D engine today is recorded too. Each rank writes what it observed to
+``RESULT.<rank>.json``; the pytest side asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.model_parallel_worker import differences  # noqa: E402
+from tools import megatron_gpt  # noqa: E402
+from tools.engines import destroy_engine, setup_single_process_env  # noqa: E402
+
+DATA = megatron_gpt.batches(8)  # two train_batch steps of 2 micro-batches, then two more
+TAG = "global_step2"
+UNIVERSAL = {"checkpoint": {"load_universal": True}}
+
+
+def to_universal(checkpoint: Path, out: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of one tag folder, in this process (strict pattern check
+    on, its default: every pattern of ``universal_checkpoint_info`` must match a parameter)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv = sys.argv
+    sys.argv = ["ds_to_universal", "--input_folder", str(checkpoint), "--output_folder", str(out / checkpoint.name),
+                "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
+    (out / "latest_universal").write_text(checkpoint.name)
+
+
+def commit_today(engine, root: Path) -> dict:
+    """What ``store.commit`` does with this engine: the error it raises, if any."""
+    import ckptstore
+
+    store = ckptstore.open(root / "store", create=True)
+    try:
+        store.commit(engine, step=2)
+    except Exception as error:  # recorded, asserted on by the test
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
+def universal_summary(universal: Path) -> dict:
+    """Per parameter folder of a universal checkpoint: its fp32 shape and the keys DeepSpeed
+    wrote beside ``param`` (cat_dim, vocab_tensor, param_n_sub_params)."""
+    summary = {}
+    for folder in sorted(path for path in (universal / "zero").iterdir() if path.is_dir()):
+        saved = torch.load(folder / "fp32.pt", weights_only=False)
+        summary[folder.name] = {key: value for key, value in saved.items() if key != "param"}
+        summary[folder.name]["shape"] = list(saved["param"].shape)
+    return summary
+
+
+def resumed(
+    layout: tuple[int, int, int], checkpoint: Path, universal: bool = False, resave: Path | None = None
+) -> dict:
+    """A fresh engine of ``layout`` (another seed: nothing of its own survives a load) loaded
+    from ``checkpoint`` at step 2 (and saved again to ``resave``), then trained on the next two
+    steps."""
+    engine = megatron_gpt.build_engine(*layout, seed=1, **(UNIVERSAL if universal else {}))
+    try:
+        engine.load_checkpoint(str(checkpoint), tag=TAG)
+        if resave is not None:
+            engine.save_checkpoint(str(resave), tag=TAG)
+        run = {"global_steps": engine.global_steps, "losses": megatron_gpt.train(engine, DATA[4:8])}
+    except Exception as error:  # DeepSpeed refusing a layout is a result, not a crash of the job
+        run = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+    destroy_engine(engine)
+    return run
+
+
+def note(what: str) -> None:
+    # progress on stderr, where a failing test shows it
+    if os.environ.get("RANK") == "0":
+        print(f"[megatron3d {time.strftime('%X')}] {what}", file=sys.stderr, flush=True)
+
+
+def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, int, int]]) -> dict:
+    """Train ``layout`` two steps, save and go on; resume it natively; convert to universal and
+    load that into each of ``targets``."""
+    root.mkdir(parents=True, exist_ok=True)
+    saved = root / "deepspeed"
+    note(f"{layout} build")
+    engine = megatron_gpt.build_engine(*layout, seed=0)
+    note(f"{layout} train")
+    run = {"losses": megatron_gpt.train(engine, DATA[:4])}
+    run["commit"] = commit_today(engine, root)
+    engine.save_checkpoint(str(saved), tag=TAG)
+    run["continued"] = megatron_gpt.train(engine, DATA[4:8])
+    destroy_engine(engine)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        run["files"] = sorted(path.name for path in (saved / TAG).iterdir())
+        model_states = torch.load(saved / TAG / "mp_rank_00_model_states.pt", weights_only=False)
+        wanted = ("universal_checkpoint_info", "checkpoint_parallel_dimensions", "mp_world_size", "module")
+        run["mp_rank_00"] = {key: model_states[key] for key in wanted}
+        to_universal(saved / TAG, root / "universal")
+        run["universal"] = universal_summary(root / "universal" / TAG)
+    dist.barrier()
+    note(f"{layout} resume")
+    run["resumed"] = resumed(layout, saved, resave=root / "resaved")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        run["resaved_differences"] = differences(root / "resaved" / TAG, saved / TAG)
+    note(f"{layout} universal")
+    run["universal_resumed"] = {
+        "x".join(map(str, target)): resumed(target, root / "universal", universal=True) for target in targets
+    }
+    return run
+
+
+def main() -> None:
+    root, result = Path(sys.argv[1]), sys.argv[2]
+    setup_single_process_env()
+    note("start")
+    started = time.monotonic()
+    observed = {
+        # PP × TP × DP
+        "2x2x1": scenario(root / "2x2x1", (2, 2, 1), [(1, 1, 4), (2, 1, 2), (1, 2, 2)]),
+        "2x1x2": scenario(root / "2x1x2", (2, 1, 2), [(2, 2, 1)]),
+    }
+    observed["seconds"] = time.monotonic() - started
+    Path(f"{result}.{dist.get_rank()}.json").write_text(json.dumps(observed, default=str))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Megatron-DeepSpeed's 3D setting (issue 47, first step): ``tools/megatron_gpt``'s
+``GPTModelPipe`` is a model DeepSpeed's own machinery saves, converts and resumes, and what
+ckptstore does with it today.
+
+One ``torch.distributed.run`` job of 4 ranks (tests/megatron3d_worker.py) trains PP 2 × TP 2
+and PP 2 × TP 1 × DP 2 (bf16, ZeRO-1), saves, resumes with ``load_checkpoint``, converts with
+``ds_to_universal`` and loads that with ``load_universal`` into other layouts; every test here
+reads what it observed.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.engines import free_port
+
+WORKER = Path(__file__).with_name("megatron3d_worker.py")
+RANKS = 4
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory) -> list[dict]:
+    """Each rank's observations of the one job."""
+    root = tmp_path_factory.mktemp("megatron3d")
+    result = root / "result"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
+         "--master_port", str(free_port()), str(WORKER), str(root / "runs"), str(result)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads(Path(f"{result}.{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+def test_a_3d_save_has_a_layer_file_per_stage_layer_and_tp_rank_and_bf16_optimizer_partitions(observed):
+    files = observed[0]["2x2x1"]["files"]
+    # specs 1 (the tied embedding) to 6 (the final norm); the head on the last stage reuses the
+    # embedding and gets no file of its own, nor do the function specs 0 and 8
+    layers = [f"layer_{index:02d}-model_{tp:02d}-model_states.pt" for index in range(1, 7) for tp in (0, 1)]
+    model = [f"mp_rank_{mp:02d}_model_states.pt" for mp in range(4)]  # pipe-major: stage × TP
+    optim = [f"bf16_zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt" for mp in range(4)]
+    assert files == sorted(layers + model + optim)
+    assert observed[0]["2x1x2"]["files"] == sorted(
+        [f"layer_{index:02d}-model_00-model_states.pt" for index in range(1, 7)]
+        + ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+        + [f"bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt" for dp in (0, 1) for mp in (0, 1)]
+    )
+
+
+def test_deepspeed_writes_the_modules_universal_checkpoint_info_and_the_3d_degrees(observed):
+    from tools.megatron_gpt import universal_checkpoint_info
+
+    for layout, tp in (("2x2x1", 2), ("2x1x2", 1)):
+        saved = observed[0][layout]["mp_rank_00"]
+        assert saved["module"] is None  # a pipeline's weights are in its layer files
+        assert saved["checkpoint_parallel_dimensions"] == {"pp_degree": 2, "tp_degree": tp}
+        assert saved["universal_checkpoint_info"] == universal_checkpoint_info(tp)
+    info = universal_checkpoint_info(2)
+    assert (info["original_vocab_size"], info["padded_vocab_size"]) == (49, 52)
+
+
+def test_deepspeeds_resume_of_a_pp2_tp2_step_trains_on_as_if_never_stopped(observed):
+    for rank in observed:
+        run = rank["2x2x1"]
+        assert run["resumed"]["global_steps"] == 2
+        assert run["resumed"]["losses"] == run["continued"]
+    assert observed[0]["2x2x1"]["resaved_differences"] == []
+
+
+def test_deepspeeds_resume_of_a_pp2_dp2_step_restores_what_it_saved_but_not_every_last_bit(observed):
+    # Saved again right after load_checkpoint, every file is bit-equal to the save, and the
+    # first step after equals the uninterrupted run's; the second ends a few ulps away
+    # (measured: 3.98947668 against 3.98954535), the same in every resumed engine and in every
+    # uninterrupted one: some state DeepSpeed does not save, with data parallelism in a stage.
+    assert observed[0]["2x1x2"]["resaved_differences"] == []
+    for rank in observed:
+        run = rank["2x1x2"]
+        assert run["resumed"]["global_steps"] == 2
+        assert run["resumed"]["losses"][0] == run["continued"][0]
+        assert math.isclose(run["resumed"]["losses"][1], run["continued"][1], rel_tol=1e-4)
+
+
+def test_ds_to_universal_joins_every_kind_of_split_of_the_3d_step(observed):
+    universal = observed[0]["2x2x1"]["universal"]
+    # the vocabulary-parallel tied embedding: padding stripped to original_vocab_size, read
+    # from the first stage only
+    embedding = universal["tied_modules.embed.word_embeddings.weight"]
+    assert embedding["shape"] == [49, 32] and embedding["vocab_tensor"] is True
+    layer = "2"
+    # SwiGLU's two sub-parameters, each joined over TP, then one after the other
+    for name in ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias"):
+        assert universal[f"{layer}.{name}"]["param_n_sub_params"] == 2
+    assert universal[f"{layer}.mlp.dense_h_to_4h.weight"]["shape"] == [128, 32]
+    # row parallel: joined along the input dimension
+    assert universal[f"{layer}.self_attention.dense.weight"] == {"cat_dim": 1, "shape": [32, 32]}
+    assert universal[f"{layer}.mlp.dense_4h_to_h.weight"] == {"cat_dim": 1, "shape": [32, 64]}
+    # column parallel fused QKV: joined along the output dimension
+    assert universal[f"{layer}.self_attention.query_key_value.weight"] == {"cat_dim": 0, "shape": [96, 32]}
+    # TP-replicated and averaged parameters: one copy, no joining
+    assert universal[f"{layer}.input_layernorm.weight"] == {"shape": [32]}
+    assert universal["6.weight"] == {"shape": [32]}
+    assert sorted(universal) == sorted(observed[0]["2x1x2"]["universal"])  # one model, any split
+
+
+@pytest.mark.parametrize(
+    "source, target", [("2x2x1", "1x1x4"), ("2x2x1", "2x1x2"), ("2x2x1", "1x2x2"), ("2x1x2", "2x2x1")]
+)
+def test_load_universal_of_a_3d_step_trains_on_in_another_layout(observed, source, target):
+    for rank in observed:
+        run = rank[source]["universal_resumed"][target]
+        assert "error" not in run, run.get("traceback")
+        assert run["global_steps"] == 2
+        assert all(math.isfinite(loss) for loss in run["losses"])
+    # at the same TP degree (the same padded vocabulary) the first step after is the
+    # uninterrupted run's, to a few ulps of the fp32 master weights cast again to bf16
+    if source == "2x2x1" and target == "1x2x2":
+        run = observed[0][source]
+        assert math.isclose(run["universal_resumed"][target]["losses"][0], run["continued"][0], rel_tol=1e-3)
+
+
+def test_a_commit_of_a_pipeline_whose_stages_are_tensor_parallel_is_refused_naming_it(observed):
+    # today's limit (issue 47's next step lifts it): refused before anything is written
+    for rank in observed:
+        assert rank["2x2x1"]["commit"] == {
+            "error": "UnsupportedError",
+            "message": "a pipeline that is also tensor parallel is not supported yet",
+        }
+        assert rank["2x1x2"]["commit"] == {"error": None}  # a pipeline alone commits
