@@ -7,6 +7,14 @@ numel: slice 0 flattened, then slice 1, and so on, so each rank's ZeRO fragments
 contiguous ranges of it and a slice is a piece of its logical parameter like any other. Split
 along dimension 0 that order is the logical tensor's own; along another dimension it is a
 permutation of it, which ``to_logical`` and ``from_logical`` undo and redo.
+
+A parameter fused from sub-parameters that are each cut across the ranks (AutoTP's fused
+``qkv_proj`` of grouped-query attention: q, k and v of unequal sizes, each split on head
+boundaries, DeepSpeed's ``sub_param_shard_widths``) adds ``"sub"``: one list per sub-parameter
+of its width on each slice, ``{"dim": 0, "sizes": [64, 32], "sub": [[32, 16], [16, 8], [16, 8]]}``.
+Slice ``t`` is then this rank's piece of every sub-parameter one after another along ``dim``
+(so ``sizes[t]`` is the sum of the sub-parameters' widths on it), and the logical tensor is
+the sub-parameters whole, one after another: what ``ds_to_universal`` writes for it.
 """
 
 from __future__ import annotations
@@ -21,11 +29,17 @@ def split_of(info: dict) -> dict | None:
     return info.get("split")
 
 
+def sub_widths(split: dict) -> list[list[int]]:
+    """Each sub-parameter's width on each slice (one sub-parameter, the whole slice, where the
+    split names none)."""
+    return split.get("sub") or [split["sizes"]]
+
+
 def in_logical_order(info: dict) -> bool:
-    """Whether the parameter's flat stored order is its logical tensor's (unsplit, or split
-    along dimension 0)."""
+    """Whether the parameter's flat stored order is its logical tensor's (unsplit, in one
+    slice, or split along dimension 0 without sub-parameters)."""
     split = split_of(info)
-    return split is None or split["dim"] == 0 or len(split["sizes"]) == 1
+    return split is None or len(split["sizes"]) == 1 or (split["dim"] == 0 and len(sub_widths(split)) == 1)
 
 
 def slice_shape(info: dict, index: int) -> list[int]:
@@ -51,12 +65,15 @@ def to_logical(flat: torch.Tensor, info: dict) -> torch.Tensor:
     if in_logical_order(info):
         return flat.view(info["shape"])
     split = split_of(info)
+    dim, widths = split["dim"], sub_widths(split)
     slices, start = [], 0
     for index in range(len(split["sizes"])):
         shape = slice_shape(info, index)
-        slices.append(flat[start : start + math.prod(shape)].view(shape))
+        piece = flat[start : start + math.prod(shape)].view(shape)
+        slices.append(piece.split([sub[index] for sub in widths], dim=dim))
         start += math.prod(shape)
-    return torch.cat(slices, dim=split["dim"])
+    subs = [torch.cat([pieces[j] for pieces in slices], dim=dim) for j in range(len(widths))]
+    return torch.cat(subs, dim=dim)
 
 
 def from_logical(tensor: torch.Tensor, info: dict) -> torch.Tensor:
@@ -64,8 +81,10 @@ def from_logical(tensor: torch.Tensor, info: dict) -> torch.Tensor:
     if in_logical_order(info):
         return tensor.reshape(-1)
     split = split_of(info)
-    tensor = tensor.view(info["shape"])
-    slices = tensor.split(split["sizes"], dim=split["dim"])
+    dim, widths = split["dim"], sub_widths(split)
+    subs = tensor.view(info["shape"]).split([sum(sub) for sub in widths], dim=dim)
+    cut = [whole.split(sub, dim=dim) for whole, sub in zip(subs, widths, strict=True)]
+    slices = [torch.cat([pieces[index] for pieces in cut], dim=dim) for index in range(len(split["sizes"]))]
     return torch.cat([piece.reshape(-1) for piece in slices])
 
 
@@ -79,7 +98,9 @@ def same_order(one: dict, other: dict) -> bool:
 def description_problem(description: object) -> str | None:
     """What is wrong with the model parallelism a step's ``description`` (plain JSON data)
     gives the code that lays it out, or None: every parameter's ``split`` (an ``int`` dim
-    within its shape, sizes of at least one slice, non-negative, adding up to that dim) and
+    within its shape, sizes of at least one slice, non-negative, adding up to that dim; its
+    ``sub``, where it has one, a list per sub-parameter of a width per slice, the widths on
+    each slice adding up to its size) and
     ``model_parallel`` (its degree, each rank's part numbered in order with a slice that
     every split parameter it holds has, layer files that are plain file names). Checked as a
     manifest is decoded, so a bad value is a corrupt step rather than an error deep in a read."""
@@ -105,6 +126,8 @@ def description_problem(description: object) -> str | None:
             return (
                 f"parameter {name!r}: its slices add up to {sum(sizes)}, not its dimension {dim} of {shape}"
             )
+        if (problem := _sub_problem(split.get("sub"), sizes)) is not None:
+            return f"parameter {name!r} has sub-parameters {problem} ({split!r:.80})"
         slices[name] = len(sizes)
     parallel = description.get("model_parallel")
     if parallel is None:
@@ -124,6 +147,19 @@ def description_problem(description: object) -> str | None:
             return f"model-parallel rank {index} holds parameters the step does not describe"
         if (problem := _part_problem(part, degree, index, held, slices)) is not None:
             return problem
+    return None
+
+
+def _sub_problem(sub: object, sizes: list[int]) -> str | None:
+    """What is wrong with a split's ``sub`` (absent: nothing), given its slices' ``sizes``."""
+    if sub is None:
+        return None
+    if not isinstance(sub, list) or not sub:
+        return "that are no list of widths"
+    if not all(isinstance(w, list) and len(w) == len(sizes) and all(_count(n) for n in w) for w in sub):
+        return f"without a non-negative width on each of its {len(sizes)} slices"
+    if [sum(widths) for widths in zip(*sub, strict=True)] != sizes:
+        return "whose widths on a slice do not add up to its size"
     return None
 
 

@@ -20,6 +20,7 @@ from tools import megatron_style  # noqa: E402
 from tools.engines import (  # noqa: E402
     batches,
     build_autotp_engine,
+    build_fused_qkv_engine,
     build_megatron_engine,
     build_pipeline_engine,
     destroy_engine,
@@ -87,6 +88,7 @@ ENGINES = {
     "pipeline": (build_pipeline_engine, train_pipeline, "1"),
     "autotp": (build_autotp_engine, train, "model.layers.1"),
     "megatron": (build_megatron_engine, train_megatron, "blocks.1"),
+    "fused_qkv": (build_fused_qkv_engine, train, "model.layers.1"),
 }
 # What each kind's client passes to a save: a Megatron client says how its parameters are split.
 CLIENT_STATE = {"megatron": megatron_style.UNIVERSAL_INFO}
@@ -222,18 +224,19 @@ def reshard(root: Path, kind: str = "pipeline") -> dict:
     """A step of 2 stages (or tensor-parallel slices, ``kind`` "autotp") restored into 1 (bf16),
     and one of 1 into 2 (fp32), each compared with DeepSpeed's universal checkpoint of the same
     state loaded into the same engine (``ds_to_universal``, then ``load_universal``): saved
-    again file by file, trained on. For AutoTP, ``ds_to_universal`` of the materialized step
+    again file by file, trained on (``kind`` "fused_qkv": AutoTP's Phi-3 with a fused
+    ``qkv_proj`` of grouped-query attention). For AutoTP, ``ds_to_universal`` of the materialized step
     gives DeepSpeed's universal checkpoint too."""
     import ckptstore
 
-    split = {"pipeline": "stages", "autotp": "tp", "megatron": "tp"}[kind]
+    split = {"pipeline": "stages", "autotp": "tp", "megatron": "tp", "fused_qkv": "tp"}[kind]
     build, train_some, _ = ENGINES[kind]
     results = {}
     for committed, restored, dtype in ((2, 1, "bf16"), (1, 2, "fp32")):
         # ds_to_universal needs universal_checkpoint_info: a pipeline's client says which weight
         # every stage keeps a copy of; AutoTP writes its own, an engine without it none.
         client_state = UNIVERSAL_INFO if kind == "pipeline" else CLIENT_STATE.get(kind, {})
-        if kind == "autotp" and committed == 1:
+        if kind in ("autotp", "fused_qkv") and committed == 1:
             client_state = {"universal_checkpoint_info": {}}
         here = root / f"{committed}to{restored}-{dtype}"
         store = ckptstore.open(here / "store", create=True)
@@ -307,6 +310,10 @@ MODES = {
         "megatron": {
             "resume": pipeline(root / "megatron", configs=((1, "fp32"),), kind="megatron"),
             "reshard": reshard(root / "megatron-reshard", kind="megatron"),
+        },
+        "fused_qkv": {
+            "resume": pipeline(root / "fused_qkv", configs=((1, "fp32"),), kind="fused_qkv"),
+            "reshard": reshard(root / "fused_qkv-reshard", kind="fused_qkv"),
         },
     },
 }

@@ -129,13 +129,17 @@ def test_a_tensor_parallel_engine_without_autotp_or_universal_info_is_refused_na
 
 @pytest.fixture(scope="module")
 def tensor_parallel(tmp_path_factory) -> tuple[Path, dict]:
-    """One job of 2 ranks: AutoTP-2 steps (ZeRO 1 fp32, ZeRO 2 bf16) and steps of a Megatron-style
-    model with its own mpu (ZeRO 1 fp32) resumed, then each kind resharded to 1 and from 1."""
+    """One job of 2 ranks: AutoTP-2 steps (ZeRO 1 fp32, ZeRO 2 bf16), steps of a Megatron-style
+    model with its own mpu (ZeRO 1 fp32) and of AutoTP's Phi-3, whose fused ``qkv_proj`` of
+    grouped-query attention is cut unevenly per sub-parameter (ZeRO 1 fp32), resumed, then each
+    kind resharded to 1 and from 1."""
     root = tmp_path_factory.mktemp("tensor_parallel")
     return root, torchrun("tensor_parallel", root)
 
 
-TP_CONFIGS = [("autotp", "zero1-fp32"), ("autotp", "zero2-bf16"), ("megatron", "zero1-fp32")]
+TP_CONFIGS = [
+    ("autotp", "zero1-fp32"), ("autotp", "zero2-bf16"), ("megatron", "zero1-fp32"), ("fused_qkv", "zero1-fp32"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind, config", TP_CONFIGS)
@@ -167,6 +171,7 @@ def test_a_tensor_parallel_layer_is_one_layer_whatever_the_slices_and_a_composit
         },
         "megatron": {"embed": 2, "blocks.0": 2, "blocks.1": 4, "norm": 2, "head": 2},
     }
+    layers["fused_qkv"] = layers["autotp"]
     for rank in observed:
         for kind, sources in layers.items():
             run = rank[kind]["resume"]["zero1-fp32"]["composite"]
@@ -182,7 +187,25 @@ def test_a_tensor_parallel_layer_is_one_layer_whatever_the_slices_and_a_composit
     assert store.state_dict(2)["model.layers.0.mlp.down_proj.weight"].shape == (32, 88)
 
 
-@pytest.mark.parametrize("kind", ["autotp", "megatron"])
+def test_a_fused_qkv_proj_is_one_logical_parameter_each_rank_holding_a_piece_of_q_k_and_v(tensor_parallel):
+    """AutoTP cuts grouped-query attention's q, k and v on head boundaries, unevenly on 2 ranks
+    (6 query heads of 8 rows, 3 key/value heads): rank 0 holds 4 query heads, 2 key and 2 value
+    heads, rank 1 the rest. The step keeps the parameter at the shape ds_to_universal writes
+    (q, k and v whole, one after another; their equality is the reshard test's)."""
+    root, _ = tensor_parallel
+    store = ckptstore.open(root / "fused_qkv" / "zero1-fp32" / "store")
+    assert store.verify().ok
+    params = json.loads(store.catalog.description(2))["params"]
+    qkv = params["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv["shape"] == [96, 48]
+    assert qkv["split"] == {"dim": 0, "sizes": [64, 32], "sub": [[32, 16], [16, 8], [16, 8]]}
+    gate_up = params["model.layers.1.mlp.gate_up_proj.weight"]  # two halves, each cut in two
+    assert gate_up["split"] == {"dim": 0, "sizes": [64, 64], "sub": [[32, 32], [32, 32]]}
+    assert params["model.layers.0.self_attn.o_proj.weight"]["split"] == {"dim": 1, "sizes": [32, 16]}
+    assert store.state_dict(2)["model.layers.1.self_attn.qkv_proj.weight"].shape == (96, 48)
+
+
+@pytest.mark.parametrize("kind", ["autotp", "megatron", "fused_qkv"])
 def test_a_tensor_parallel_step_exports_its_full_tensors_under_the_models_own_names(
     tensor_parallel, kind, tmp_path
 ):
@@ -197,7 +220,7 @@ def test_a_tensor_parallel_step_exports_its_full_tensors_under_the_models_own_na
     assert [name for name, tensor in weights.items() if not torch.equal(exported[name], tensor)] == []
 
 
-@pytest.mark.parametrize("kind", ["autotp", "megatron"])
+@pytest.mark.parametrize("kind", ["autotp", "megatron", "fused_qkv"])
 def test_a_tensor_parallel_step_restored_into_another_degree_equals_deepspeeds_universal_checkpoint(
     tensor_parallel, kind
 ):

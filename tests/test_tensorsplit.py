@@ -24,3 +24,60 @@ def test_a_column_split_is_the_logical_order_and_any_degree_of_it_reads_alike():
     assert torch.equal(tensorsplit.from_logical(logical, column), logical.reshape(-1))
     assert tensorsplit.same_order(column, other) and tensorsplit.same_order(column, {"shape": [4, 2]})
     assert not tensorsplit.same_order(ROW_PARALLEL, {"shape": [3, 5]})
+
+
+# A fused q/k/v of grouped-query attention on 2 ranks (6 query heads, 3 key/value heads of 2
+# rows): q, k and v each cut on head boundaries, unevenly, as AutoTP records them.
+FUSED_QKV = {"shape": [12, 2], "split": {"dim": 0, "sizes": [8, 4], "sub": [[4, 2], [2, 1], [2, 1]]}}
+
+
+def test_a_fused_parameters_slice_is_each_rank_holds_a_piece_of_every_sub_parameter_as_deepspeed_cuts_it():
+    from deepspeed.module_inject.layers import _partition_logical_tensor
+
+    logical = torch.arange(24.0).view(12, 2)  # q rows 0-5, k rows 6-8, v rows 9-11
+    widths = FUSED_QKV["split"]["sub"]
+    stored = tensorsplit.from_logical(logical, FUSED_QKV)
+    for rank in range(2):
+        start = tensorsplit.slice_offset(FUSED_QKV, rank)
+        shape = tensorsplit.slice_shape(FUSED_QKV, rank)
+        held = _partition_logical_tensor(logical, 0, 2, rank, widths, subparam_sizes=[6, 3, 3])
+        assert shape == list(held.shape)
+        assert torch.equal(stored[start : start + held.numel()].view(shape), held)
+    # the logical tensor is the sub-parameters whole, one after another (ds_to_universal's)
+    assert torch.equal(tensorsplit.to_logical(stored, FUSED_QKV), logical)
+
+
+def test_a_fused_parameter_is_out_of_logical_order_even_split_along_its_first_dimension():
+    whole = {"shape": [12, 2]}
+    assert not tensorsplit.in_logical_order(FUSED_QKV)
+    assert not tensorsplit.same_order(FUSED_QKV, whole)
+    even = {"shape": [12, 2], "split": {"dim": 0, "sizes": [6, 6], "sub": [[3, 3], [3], [3]]}}
+    assert tensorsplit.description_problem({"params": {"qkv": even}}) is not None
+    one_sub = {"shape": [12, 2], "split": {"dim": 0, "sizes": [8, 4], "sub": [[8, 4]]}}
+    assert tensorsplit.in_logical_order(one_sub) and tensorsplit.same_order(one_sub, whole)
+    # into another degree and back through the logical tensor, as a restore reorders it
+    logical = torch.randn(12, 2)
+    four = {
+        "shape": [12, 2],
+        "split": {"dim": 0, "sizes": [3, 3, 3, 3], "sub": [[2, 1, 1, 2], [1, 1, 1, 0], [0, 1, 1, 1]]},
+    }
+    for split in (FUSED_QKV, four):
+        assert tensorsplit.description_problem({"params": {"qkv": split}}) is None
+        assert torch.equal(tensorsplit.to_logical(tensorsplit.from_logical(logical, split), split), logical)
+
+
+BAD_SUBS = {
+    "not a list": 3,
+    "empty": [],
+    "a width short": [[4, 2], [2], [2, 1]],
+    "a negative width": [[5, 3], [2, -1], [1, 2]],
+    "widths unlike the sizes": [[4, 2], [1, 2], [2, 1]],
+    "a width as text": [[4, 2], [2, "1"], [2, 1]],
+}
+
+
+def test_a_split_whose_sub_parameters_do_not_tile_its_slices_is_a_malformed_description():
+    for bad, sub in BAD_SUBS.items():
+        info = {"shape": [12, 2], "split": {"dim": 0, "sizes": [8, 4], "sub": sub}}
+        problem = tensorsplit.description_problem({"params": {"model.qkv_proj.weight": info}})
+        assert problem is not None and "model.qkv_proj.weight" in problem, bad

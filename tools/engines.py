@@ -373,6 +373,78 @@ def build_autotp_engine(
     )
 
 
+# AutoTP's layout of Phi-3 (fused qkv_proj and gate_up_proj) with grouped-query attention, as
+# a DeepSpeed config gives it. DeepSpeed 0.19 takes no other way on CPU: without a config it
+# follows the model's Hugging Face tp_plan and refuses it ("HuggingFace tp_plan contains
+# unsupported partition style(s): ['rowwise_split_input']"), and its "phi3" preset cuts q, k
+# and v as three equal parts (shape (3, -1)), which grouped-query attention's are not.
+def _fused_qkv_partition_config(heads: int, kv_heads: int, head_dim: int) -> dict:
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    return {
+        "use_default_specs": False,
+        "layer_specs": [
+            {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+            {"patterns": [r".*\.self_attn\.qkv_proj\.weight$"], "partition_type": "column",
+             "shape": [sizes, -1], "partition_dim": 0},
+            {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
+            {"patterns": [r".*\.mlp\.gate_up_proj\.weight$"], "partition_type": "column",
+             "shape": [2, -1], "partition_dim": 0},
+        ],
+    }  # fmt: skip
+
+
+def build_fused_qkv_engine(
+    tp: int = 2,
+    zero_stage: int = 1,
+    dtype: str = "fp32",
+    seed: int = 0,
+    num_layers: int = 2,
+    **overrides: Any,
+):
+    """A tiny Phi-3 (``Phi3ForCausalLM``: fused ``qkv_proj``, grouped-query attention of 6
+    query and 3 key/value heads of 8) split over ``tp`` ranks by AutoTP. On 2 ranks q, k and
+    v are each cut on key/value-head boundaries, unevenly: ``sub_param_shard_widths``
+    [[32, 16], [16, 8], [16, 8]]. Train it with ``train``."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    setup_single_process_env()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=None, verbose=False)
+    heads, kv_heads, head_dim = 6, 3, 8
+    rng_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        cfg = Phi3Config(
+            vocab_size=128, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=num_layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+            tie_word_embeddings=False, attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+            pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        cfg._attn_implementation = "eager"
+        module = Phi3ForCausalLM(cfg)
+    finally:
+        torch.set_rng_state(rng_state)
+    module.train()
+    if tp > 1:
+        overrides.setdefault(
+            "tensor_parallel",
+            {"autotp_size": tp, "partition_config": _fused_qkv_partition_config(heads, kv_heads, head_dim)},
+        )
+    cfg_ds = ds_config(zero_stage, dtype, **overrides)
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=_param_groups(module, 0.01), config=cfg_ds
+    )
+    if tp > 1:
+        # transformers' Phi3Attention finds where k starts in qkv_proj's output from the
+        # config's num_attention_heads, which AutoTP leaves at the whole model's (it shards the
+        # modules' own head counts): this rank's query heads, or its k and v come out empty.
+        attention = engine.module.model.layers[0].self_attn
+        local_rows = attention.qkv_proj.weight.shape[0] - 2 * attention.num_key_value_heads * head_dim
+        engine.module.config.num_attention_heads = local_rows // head_dim
+    return engine
+
+
 def build_megatron_engine(
     tp: int = 2,
     zero_stage: int = 1,

@@ -97,7 +97,8 @@ def _matches(patterns, name: str) -> bool:
 
 def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> dict[str, dict | None]:
     """How each of ``params`` (name -> this rank's description entry, its slice's shape) is
-    split over the engine's tensor-parallel ranks: ``{"dim", "sizes"}``, or None where every
+    split over the engine's tensor-parallel ranks: ``{"dim", "sizes"}`` (and ``"sub"`` for a
+    fused parameter, ``tensorsplit``), or None where every
     rank holds all of it. UnsupportedError for a parameter whose split cannot be known."""
     named = dict(engine.module.named_parameters())
     if any(getattr(param, _AUTOTP_META, None) for param in named.values()):
@@ -136,7 +137,8 @@ def _autotp_split(name: str, meta: dict | None) -> dict | None:
         return None
     conversion = meta.get("conversion") or {}
     reason = conversion.get("unsupported_reason")
-    if reason or meta.get("sub_param_sizes") or meta.get("sub_param_shape"):
+    widths = meta.get("sub_param_shard_widths")
+    if reason or ((meta.get("sub_param_sizes") or meta.get("sub_param_shape")) and not widths):
         raise UnsupportedError(
             f"tensor-parallel parameter {name} cannot be stored yet: {reason or 'fused sub-parameters'}"
         )
@@ -144,7 +146,18 @@ def _autotp_split(name: str, meta: dict | None) -> dict | None:
         raise UnsupportedError(
             f"{name} is a row-parallel bias, which AutoTP divides across ranks: not supported yet"
         )
-    return {"dim": int(meta["partition_dim"]), "sizes": [int(size) for size in meta["partition_sizes"]]}
+    dim = int(meta["partition_dim"])
+    if not widths:
+        return {"dim": dim, "sizes": [int(size) for size in meta["partition_sizes"]]}
+    # A fused parameter (AutoTP's qkv_proj, gate_up_proj): each rank holds its piece of every
+    # sub-parameter, one after another, at the widths DeepSpeed's universal checkpoint joins
+    # them by (sub_param_shard_widths).
+    sub = [[int(width) for width in per_rank] for per_rank in widths]
+    sizes = [sum(on_rank) for on_rank in zip(*sub, strict=True)]
+    sub_sizes = meta.get("sub_param_sizes")
+    if sub_sizes is not None and [sum(per_rank) for per_rank in sub] != [int(size) for size in sub_sizes]:
+        raise CorruptError(f"{name}: AutoTP's widths {widths} do not tile its sub-parameters {sub_sizes}")
+    return {"dim": dim, "sizes": sizes, "sub": sub} if len(sub) > 1 else {"dim": dim, "sizes": sizes}
 
 
 def _sub_patterns(entry) -> list[str]:
