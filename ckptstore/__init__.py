@@ -1,7 +1,7 @@
 """ckptstore: content-addressed, deduplicated storage for DeepSpeed training checkpoints.
 
 ``store = ckptstore.open("runs/store")``, then ``store.commit(engine, step)`` and
-``store.materialize(step, "out/")``; see README.md.
+``store.materialize(step, "out/")``; see README.md and docs/
 """
 
 from .errors import (

@@ -294,9 +294,11 @@ def test_group_options_are_accepted_after_the_command(run, gc_store, tmp_path):
 
 
 def _command_lines() -> list[str]:
-    """Every `ckptstore ...` command line of the README (its shell blocks, and inline code) and
+    """Every `ckptstore ...` command line of the README and docs/ (shell blocks, inline code) and
     of the commands' own help texts, without the word ckptstore."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[1]
+    texts = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    readme = "\n".join(path.read_text() for path in texts)
     # A line that is a command: crontab fields and VAR=value settings may come before it.
     command = re.compile(r"^(?:[\d*/,-]+\s+)*(?:[A-Z][A-Z0-9_]*=\S*\s+)*ckptstore\s+(.*)$")
     lines, fence = [], None

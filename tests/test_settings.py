@@ -47,7 +47,12 @@ def _junk(kind: str, tmp_path: Path) -> str:
 
 def test_every_setting_named_in_code_tests_tools_and_readme_is_registered():
     named = set()
-    for path in [ROOT / "README.md", *ROOT.glob("ckptstore/**/*.py"), *ROOT.glob("t*/**/*.py")]:
+    for path in [
+        ROOT / "README.md",
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("ckptstore/**/*.py"),
+        *ROOT.glob("t*/**/*.py"),
+    ]:
         named |= set(re.findall(r"\bCKPTSTORE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
     assert named - set(knobs.SETTINGS) == set()
     assert {"CKPTSTORE_FUZZ_EXAMPLES", "CKPTSTORE_TEST_HARD_EXIT"} <= named  # read by tests only

@@ -10,7 +10,7 @@ none left unsaved for 3 commits; 15% is about the median move of a block between
 this run: a small model trained from scratch moves all its layers alike). A failure is simulated at ``--fail-at``: each strategy materializes its
 newest step at or before it (a composite step for all but full), resumes on a fresh engine and
 trains to the end on the same batches. The uninterrupted run is the reference. Prints a
-markdown table (the README's) with bytes stored, commit time, and final train and eval loss
+markdown table (docs/tailoring.md's) with bytes stored, commit time, and final train and eval loss
 against the uninterrupted run and against full checkpoints.
 """
 

@@ -200,7 +200,7 @@ def _copy_all(
             raise NotFoundError(
                 f"step {step} needs {name}, which neither this node's tier nor {remote.uri} holds "
                 "(on another node's tier, run `ckptstore drain` there; else a gc removed it while "
-                "the upload waited: see the README on gc and the local tier)"
+                "the upload waited: see docs/s3-and-tiers.md on gc and the local tier)"
             ) from None
         remote.put_if_absent(name, data)
         return memoryview(data).nbytes

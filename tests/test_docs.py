@@ -1,0 +1,52 @@
+"""The front page and the guide cannot rot: the README stays a front page that starts with
+the two commands CI runs, every relative link in it and in docs/ resolves, and the guide
+builds as a site with ``mkdocs build --strict``. (Every ``ckptstore ...`` line they show
+parses: tests/test_cli.py; every ``CKPTSTORE_*`` they name exists: tests/test_settings.py.)"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_readme_is_a_front_page_that_starts_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+    assert blocks[0].strip().startswith("python3 -m venv .venv") and "tools/demo.py" in blocks[0]
+    assert blocks[1].strip().endswith("-m pytest -q")
+    assert text.index(blocks[0]) < text.index("## What it does")  # first, before anything else
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves(page):
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (page.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_every_guide_page_is_in_the_sites_navigation():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert {p.name for p in PAGES[1:]} == set(re.findall(r"([\w-]+\.md)", nav))
+
+
+def test_the_guide_builds_as_a_site_with_no_warning(tmp_path):
+    if shutil.which("mkdocs") is None and not (Path(sys.executable).parent / "mkdocs").exists():
+        pytest.skip("mkdocs is not installed (pip install -e '.[dev]' installs it)")
+    mkdocs = shutil.which("mkdocs") or str(Path(sys.executable).parent / "mkdocs")
+    done = subprocess.run(
+        [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "site" / "security" / "index.html").is_file()
