@@ -50,3 +50,38 @@ def test_the_guide_builds_as_a_site_with_no_warning(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "site" / "security" / "index.html").is_file()
+
+
+FRAGMENT = re.compile(r"<!-- a fragment: [^>]+ -->\s*$")
+
+
+def python_blocks() -> list[tuple[str, str]]:
+    """``(where, code)`` of every Python block of the README and docs/ not marked as a fragment
+    (an HTML comment ``<!-- a fragment: why -->`` on the line before it)."""
+    found = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("```python") and not (i and FRAGMENT.match(lines[i - 1])):
+                end = lines.index("```", i + 1)
+                found.append((f"{page.name}:{i + 1}", "\n".join(lines[i + 1 : end])))
+    return found
+
+
+def test_every_python_block_is_marked_a_fragment_or_runs_as_written(tmp_path, monkeypatch):
+    """Each runnable block runs in a fresh folder with ``engine``, a tiny trained DeepSpeed
+    engine of four blocks, as the quick start assumes one."""
+    from tools.engines import batches, build_engine, destroy_engine, train
+
+    blocks = python_blocks()
+    assert {where.split(":")[0] for where, _ in blocks} >= {"README.md", "getting-started.md"}
+    engine = build_engine("llama", zero_stage=1, dtype="bf16", seed=0, num_layers=4)
+    try:
+        for where, code in blocks:
+            folder = tmp_path / where.replace(":", "-")
+            folder.mkdir()
+            monkeypatch.chdir(folder)
+            train(engine, batches(1))
+            exec(compile(code, where, "exec"), {"engine": engine})  # noqa: S102 - our own docs
+    finally:
+        destroy_engine(engine)
