@@ -6,7 +6,8 @@
 
 ``--save store:<uri>`` checkpoints through ``StoreModelParallelStrategy`` at the end of training
 (step = global step); ``--save dir:<path>`` through Lightning's own ModelParallelStrategy.
-``--resume store:<uri>:<step>`` / ``dir:<path>`` resumes from one. Rank 0 writes the losses of the
+``--resume store:<uri>:<step>`` / ``dir:<path>`` resumes from one. ``--csv DIR`` logs
+through Lightning's CSVLogger into ``DIR/metrics.csv``. Rank 0 writes the losses of the
 optimizer steps this job ran (its own rank's) to ``--result``.
 """
 
@@ -26,6 +27,7 @@ if str(_ROOT) not in sys.path:
 
 def main() -> None:
     import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--save")
     parser.add_argument("--resume")
     parser.add_argument("--result")
+    parser.add_argument("--csv", help="log through a CSVLogger into this folder")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
 
@@ -81,7 +84,8 @@ def main() -> None:
     batches = [torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(i)) for i in range(64)]
     data = torch.utils.data.DataLoader(batches, batch_size=2, shuffle=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps,
+        logger=CSVLogger(args.csv, name="", version="") if args.csv else False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     module = Module()

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -36,13 +37,23 @@ def lightning_job(tmp_path: Path, name: str, *args) -> dict:
 
 def test_a_lightning_job_resumes_from_the_store_as_from_its_own_checkpoint(tmp_path):
     store = tmp_path / "store"
-    saved = lightning_job(tmp_path, "store-save", "--steps", 3, "--save", f"store:{store}")
+    saved = lightning_job(
+        tmp_path, "store-save", "--steps", 3, "--save", f"store:{store}", "--csv", tmp_path / "csv"
+    )
     own = lightning_job(tmp_path, "own-save", "--steps", 3, "--save", f"dir:{tmp_path / 'own'}")
     assert saved["losses"] == own["losses"]
     with ckptstore.open(store, create=False) as opened:
         assert opened.steps() == [3]
         assert "model.model.layers.1" in opened.sources(3)  # the LightningModule's own names
         assert opened.verify().ok
+        [row] = opened.log()
+    # The commit's figures reach the trainer's logger at the saved step.
+    with open(tmp_path / "csv" / "metrics.csv") as lines:
+        [logged] = [line for line in csv.DictReader(lines) if line.get("ckptstore/step")]
+    assert int(logged["step"]) == int(float(logged["ckptstore/step"])) == 3
+    assert int(float(logged["ckptstore/bytes_stored"])) == row.bytes_added > 0
+    assert int(float(logged["ckptstore/layers_saved"])) == row.layers_saved
+    assert float(logged["ckptstore/stall_seconds"]) > 0
     from_store = lightning_job(tmp_path, "store-resume", "--steps", 6, "--resume", f"store:{store}:3")
     from_own = lightning_job(tmp_path, "own-resume", "--steps", 6, "--resume", f"dir:{tmp_path / 'own'}")
     assert from_store["global_step"] == from_own["global_step"] == 6

@@ -26,7 +26,18 @@ class Losses(transformers.TrainerCallback):
             self.losses[state.global_step] = logs["loss"]
 
 
-def train(out, stage, resume=None, callbacks=(), max_steps=4, evaluate=False, **arguments):
+class Figures(transformers.TrainerCallback):
+    """The store's figures the Trainer logged: what its report_to integrations receive."""
+
+    def __init__(self):
+        self.logged = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "ckptstore/step" in logs:
+            self.logged.append({k: v for k, v in logs.items() if k.startswith("ckptstore/")})
+
+
+def train(out, stage, resume=None, callbacks=(), max_steps=4, evaluate=False, report_to=(), **arguments):
     """A tiny Llama (attention dropout on) under the Trainer with DeepSpeed on CPU (bf16, the
     Trainer's own LR schedule), saving every 2 steps; returns the logged loss of each step."""
     model = build_model("llama", seed=0, num_layers=2, hidden=32, vocab=128)
@@ -39,7 +50,7 @@ def train(out, stage, resume=None, callbacks=(), max_steps=4, evaluate=False, **
     }  # fmt: skip
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, max_steps=max_steps, save_steps=2, logging_steps=1,
-        deepspeed=deepspeed, bf16=True, use_cpu=True, report_to=[], seed=0, learning_rate=1e-2,
+        deepspeed=deepspeed, bf16=True, use_cpu=True, report_to=list(report_to), seed=0, learning_rate=1e-2,
         lr_scheduler_type="linear", warmup_steps=1, dataloader_num_workers=0, **arguments,
     )  # fmt: skip
     data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches(16, batch=1)]
@@ -116,13 +127,43 @@ def test_a_strategy_saves_half_the_blocks_at_alternate_saves(tmp_path):
 def test_non_blocking_commits_survive_the_trainer_deleting_old_checkpoints(tmp_path):
     store = ckptstore.open(tmp_path / "store")
     own = train(tmp_path / "own", 2, max_steps=6)
-    ours = train(tmp_path / "run", 2, callbacks=[CkptStoreCallback(store, blocking=False)], max_steps=6,
-                 save_total_limit=1)  # fmt: skip
+    figures = Figures()
+    ours = train(tmp_path / "run", 2, callbacks=[CkptStoreCallback(store, blocking=False), figures],
+                 max_steps=6, save_total_limit=1)  # fmt: skip
     assert ours == own
+    # Each commit's figures reach the Trainer's loggers once the commit is durable.
+    assert [
+        (f["ckptstore/step"], f["ckptstore/bytes_stored"], f["ckptstore/layers_saved"])
+        for f in figures.logged
+    ] == [(row.step, row.bytes_added, row.layers_saved) for row in store.log()]
+    assert all(f["ckptstore/stall_seconds"] >= 0 for f in figures.logged)
     assert store.steps() == [2, 4, 6] and [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == [
         "checkpoint-6"
     ]
     assert {"trainer_state.json", "rng_state.pth"} <= {row.path for row in store.files(2)}
+
+
+def test_each_commits_figures_reach_the_trainers_tensorboard_beside_the_loss(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    store = ckptstore.open(tmp_path / "store")
+    train(tmp_path / "run", 2, callbacks=[CkptStoreCallback(store)], report_to=["tensorboard"])
+    [folder] = {path.parent for path in (tmp_path / "run").rglob("events.out.tfevents.*")}
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    assert set(scalars["train/loss"]) == {1, 2, 3, 4}
+    rows = store.log()
+    # The Trainer's loggers prefix what it logs with train/ (transformers' rewrite_logs).
+    assert scalars["train/ckptstore/bytes_stored"] == {row.step: row.bytes_added for row in rows}
+    assert (
+        scalars["train/ckptstore/layers_saved"]
+        == {row.step: row.layers_saved for row in rows}
+        == {2: 5, 4: 5}
+    )
+    assert set(scalars["train/ckptstore/stall_seconds"]) == {2, 4}
+    assert all(seconds > 0 for seconds in scalars["train/ckptstore/stall_seconds"].values())
 
 
 def test_accelerate_save_state_and_load_state_go_through_an_attached_store(tmp_path):

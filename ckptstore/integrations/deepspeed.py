@@ -32,6 +32,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from .. import strategies
 from ..commit import ranks
+from ..commit.background import CommitHandle
+from ..commit.step import CommitReport
 from ..deepspeed import torchfile
 from ..errors import BadInputError, CorruptError
 from ..opening import open as open_store
@@ -95,9 +97,12 @@ class StoreCheckpointEngine(CheckpointEngine):
         self._client_state = None
         return True
 
-    def commit_pending(self, step: int, client_state: dict | None, files, metrics=None) -> None:
-        """Commit the engine's state as ``step`` with ``files`` and ``metrics`` (collective)."""
-        self.store.commit(
+    def commit_pending(
+        self, step: int, client_state: dict | None, files, metrics=None
+    ) -> CommitReport | CommitHandle:
+        """Commit the engine's state as ``step`` with ``files`` and ``metrics`` (collective);
+        returns ``Store.commit``'s report, or its handle for a non-blocking commit."""
+        return self.store.commit(
             self.engine,
             step,
             layers=self.layers,

@@ -14,11 +14,18 @@ sharded state dicts (layers named as the LightningModule names its parameters:
 rest of Lightning's checkpoint (loops, callbacks, hyperparameters, what its ``meta.pt`` holds)
 as one DCP bytes item, which DCP serializes on save and deserializes on load as it does any
 user object. The store step is the trainer's global step; the path Lightning passes is not used.
+
+After each save, rank 0 sends the commit's figures (``integrations.figures``: bytes stored,
+layers saved, seconds the save held training) to the trainer's loggers with ``log_metrics`` at
+the saved step, so TensorBoard, CSV or W&B show them beside the loss. Not with ``self.log``:
+a save runs outside the LightningModule hooks where that is allowed (``trainer.save_checkpoint``
+after ``fit``, or ``ModelCheckpoint`` from its callback hooks).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -32,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import BadInputError
 from .dcp import StoreReader, StoreWriter
+from .figures import scalars
 
 PREFIX = "store:"
 _META = "lightning"  # the key of the rest of Lightning's checkpoint in the saved state
@@ -70,7 +78,24 @@ class StoreModelParallelStrategy(ModelParallelStrategy):
             state[f"optimizer_{index}"] = optimizer_state
         # A tuple is one leaf to DCP: the rest stays one item, whatever its nesting.
         state[_META] = (checkpoint,)
-        dcp.save(state, storage_writer=StoreWriter(self.store, step=int(checkpoint["global_step"])))
+        step = int(checkpoint["global_step"])
+        started = time.perf_counter()
+        dcp.save(state, storage_writer=StoreWriter(self.store, step=step))
+        self._log_figures(step, time.perf_counter() - started)
+
+    def _log_figures(self, step: int, waited: float) -> None:
+        """Send the figures of the commit of ``step`` to the trainer's loggers (rank 0)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)  # module.trainer raises while detached
+        if trainer is None or not trainer.loggers or self.global_rank != 0:
+            return
+        row = next((row for row in self.store.log() if row.step == step), None)
+        if row is None:
+            return
+        figures = scalars(step, row.bytes_added, row.layers_saved, waited)
+        for logger in trainer.loggers:
+            logger.log_metrics(figures, step=step)
+            logger.save()  # a save after fit() comes after the loggers' last write
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load ``store:<step>`` (or ``store:latest``) into the module and optimizers, as
