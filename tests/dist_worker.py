@@ -241,7 +241,11 @@ def per_rank_files(root: Path) -> dict:
     train(engine, DATA[:1])
     mine = root / f"rank{rank()}"
     mine.mkdir()
-    (mine / f"rng_state_{rank()}.pth").write_bytes(f"rng of rank {rank()}".encode())
+    import torch
+
+    torch.save(
+        {"rank": rank(), "cpu": torch.arange(4, dtype=torch.uint8) + rank()}, mine / f"rng_state_{rank()}.pth"
+    )
     (mine / "trainer_state.json").write_text('{"global_step": 1}')
     store.commit(engine, step=1, files=mine)
     (mine / "trainer_state.json").write_text(f'{{"rank": {rank()}}}')
