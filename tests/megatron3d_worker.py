@@ -6,8 +6,10 @@ tests/test_megatron3d.py as one ``torch.distributed.run`` job of 4 ranks:
 For ``tools/megatron_gpt``'s ``GPTModelPipe`` at PP 2 × TP 2 and at PP 2 × TP 1 × DP 2 (bf16,
 ZeRO-1): train two steps, save, train on (the uninterrupted run); resume a fresh engine with
 ``load_checkpoint`` and train the same batches; convert the save with ``ds_to_universal`` and
-load it with ``load_universal`` into other layouts of the 4 ranks and train on. What ckptstore's
-commit does with the 3D engine today is recorded too. Each rank writes what it observed to
+load it with ``load_universal`` into other layouts of the 4 ranks and train on. A ckptstore
+commit of the state saved is materialized (compared file by file with the save) and resumed
+from, and restored into a fresh engine of the same layout; a restore into the other layouts
+is tried first (refused today). Each rank writes what it observed to
 ``RESULT.<rank>.json``; the pytest side asserts on it.
 """
 
@@ -49,16 +51,10 @@ def to_universal(checkpoint: Path, out: Path) -> None:
     (out / "latest_universal").write_text(checkpoint.name)
 
 
-def commit_today(engine, root: Path) -> dict:
-    """What ``store.commit`` does with this engine: the error it raises, if any."""
+def open_store(root: Path):
     import ckptstore
 
-    store = ckptstore.open(root / "store", create=True)
-    try:
-        store.commit(engine, step=2)
-    except Exception as error:  # recorded, asserted on by the test
-        return {"error": type(error).__name__, "message": str(error)}
-    return {"error": None}
+    return ckptstore.open(root / "store", create=True)
 
 
 def universal_summary(universal: Path) -> dict:
@@ -72,22 +68,56 @@ def universal_summary(universal: Path) -> dict:
     return summary
 
 
+def against_universal(store, universal: Path) -> dict:
+    """Per parameter of the store's step 2 (its logical fp32 tensors, ``store.state_dict``): its
+    shape, and whether it equals the ``fp32`` that ``ds_to_universal`` wrote for it (the
+    vocabulary's first ``original_vocab_size`` rows: ckptstore keeps the padding)."""
+    ours = store.state_dict(2)
+    compared = {}
+    for folder in sorted(path for path in (universal / "zero").iterdir() if path.is_dir()):
+        theirs = torch.load(folder / "fp32.pt", weights_only=False)["param"]
+        mine = ours[folder.name]
+        compared[folder.name] = {
+            "shape": list(mine.shape), "equal": torch.equal(mine[: theirs.shape[0]], theirs),
+        }  # fmt: skip
+    return compared
+
+
 def resumed(
-    layout: tuple[int, int, int], checkpoint: Path, universal: bool = False, resave: Path | None = None
+    layout: tuple[int, int, int],
+    checkpoint: Path | None,
+    universal: bool = False,
+    resave: Path | None = None,
+    store=None,
+    refused_by=None,
 ) -> dict:
     """A fresh engine of ``layout`` (another seed: nothing of its own survives a load) loaded
-    from ``checkpoint`` at step 2 (and saved again to ``resave``), then trained on the next two
-    steps."""
+    from ``checkpoint`` at step 2 (or restored from ``store``'s step 2, and saved again to
+    ``resave``), then trained on the next two steps. What ``refused_by`` (a store) does when
+    asked to restore its step 2 into this engine first is recorded too."""
     engine = megatron_gpt.build_engine(*layout, seed=1, **(UNIVERSAL if universal else {}))
+    restore = {} if refused_by is None else {"restore": refused(lambda: refused_by.restore(engine, step=2))}
     try:
-        engine.load_checkpoint(str(checkpoint), tag=TAG)
+        if store is not None:
+            store.restore(engine, step=2)
+        else:
+            engine.load_checkpoint(str(checkpoint), tag=TAG)
         if resave is not None:
             engine.save_checkpoint(str(resave), tag=TAG)
         run = {"global_steps": engine.global_steps, "losses": megatron_gpt.train(engine, DATA[4:8])}
     except Exception as error:  # DeepSpeed refusing a layout is a result, not a crash of the job
         run = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
     destroy_engine(engine)
-    return run
+    return {**run, **restore}
+
+
+def refused(call) -> dict:
+    """The error ``call`` raises (type and message), or None."""
+    try:
+        call()
+    except Exception as error:  # recorded, asserted on by the test
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
 
 
 def note(what: str) -> None:
@@ -97,15 +127,18 @@ def note(what: str) -> None:
 
 
 def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, int, int]]) -> dict:
-    """Train ``layout`` two steps, save and go on; resume it natively; convert to universal and
-    load that into each of ``targets``."""
+    """Train ``layout`` two steps, commit, save and go on; resume it natively, from the
+    materialized commit and by a restore; convert to universal and load that into each of
+    ``targets``."""
     root.mkdir(parents=True, exist_ok=True)
     saved = root / "deepspeed"
     note(f"{layout} build")
     engine = megatron_gpt.build_engine(*layout, seed=0)
     note(f"{layout} train")
     run = {"losses": megatron_gpt.train(engine, DATA[:4])}
-    run["commit"] = commit_today(engine, root)
+    store = open_store(root)
+    note(f"{layout} commit")
+    store.commit(engine, step=2)  # blocking: the state save_checkpoint writes next
     engine.save_checkpoint(str(saved), tag=TAG)
     run["continued"] = megatron_gpt.train(engine, DATA[4:8])
     destroy_engine(engine)
@@ -117,15 +150,29 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         run["mp_rank_00"] = {key: model_states[key] for key in wanted}
         to_universal(saved / TAG, root / "universal")
         run["universal"] = universal_summary(root / "universal" / TAG)
+        run["logical"] = against_universal(store, root / "universal" / TAG)
+        note(f"{layout} materialize")
+        store.materialize(2, root / "materialized")
+        run["materialized_differences"] = differences(root / "materialized" / TAG, saved / TAG)
     dist.barrier()
     note(f"{layout} resume")
     run["resumed"] = resumed(layout, saved, resave=root / "resaved")
+    run["resumed_from_materialized"] = resumed(
+        layout, root / "materialized", resave=root / "resaved-materialized"
+    )
+    note(f"{layout} restore")
+    run["restored"] = resumed(layout, None, resave=root / "resaved-restored", store=store)
     dist.barrier()
     if dist.get_rank() == 0:
-        run["resaved_differences"] = differences(root / "resaved" / TAG, saved / TAG)
+        run["resaved_differences"] = {
+            how: differences(root / folder / TAG, saved / TAG) if (root / folder).exists() else ["not saved"]
+            for how, folder in (("deepspeed", "resaved"), ("materialized", "resaved-materialized"),
+                                ("restored", "resaved-restored"))
+        }  # fmt: skip
     note(f"{layout} universal")
     run["universal_resumed"] = {
-        "x".join(map(str, target)): resumed(target, root / "universal", universal=True) for target in targets
+        "x".join(map(str, target)): resumed(target, root / "universal", universal=True, refused_by=store)
+        for target in targets
     }
     return run
 

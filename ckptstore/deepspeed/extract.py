@@ -319,9 +319,14 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         "optimizer_state": extra_optim,
     }
     if parallel.is_tensor_parallel(engine):
+        # Inside a pipeline stage (Megatron's 3D) the slice joins the stage's part: its layer
+        # files hold this slice of the stage's layers.
+        stage = part
         part, pieces = parallel.tensor_part(
             engine, description, pieces, model_state.get(parallel.UNIVERSAL_INFO)
         )
+        if stage is not None:
+            part = {**stage, "slice": part["slice"]}
     if part is None:
         return Snapshot(plainstate.to_plain(description), pieces, rank, world_size)
     description["model_parallel"] = part

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CorruptError
 from ..model import FP32, WEIGHT
+from . import parallel
 from .fill import MODULE, Filler, TensorSource
 from .layout import BF16_OPTIMIZER, ZERO3, ZERO12
 from .stepfiles import StepWriter
@@ -89,6 +90,7 @@ class RankShare:
         self.files: dict[str, object | None] = {
             name: obj if reader in (None, rank) else None for name, obj, (_, reader) in writer.files()
         }
+        own = set(self.files)
         # DeepSpeed lists every model-parallel rank's model-states file and opens the first on
         # every rank, only to check their number against the mp_world_size saved in it.
         for other in range(writer.mp_size):
@@ -96,6 +98,15 @@ class RankShare:
                 self.files[model_states_name(other)] = (
                     {"mp_world_size": writer.mp_size} if other == 0 else None
                 )
+        # A stage's PipelineModule lists each layer's files of every tensor-parallel rank
+        # (layer_XX-*model_states.pt) and opens the first only to look for an mp_world_size in
+        # it (SDLoaderBase.check_ckpt_list); listed fewer than its TP degree, it would split
+        # this rank's file among them.
+        for names in parallel.layer_file_names(description).values():
+            for name in names:
+                self.files.setdefault(name, None)
+            if self.files[names[0]] is None and any(name in own for name in names):
+                self.files[names[0]] = {}
         self._tensors = tensors
         self._filler = Filler(writer.holes, tensors, writer.params)
         self._targets = self._filler.in_memory([obj for obj in self.files.values() if obj is not None])

@@ -18,7 +18,10 @@ slice is a range of the parameter's flat stored order), so the step describes th
 at its logical shapes whatever the degree; a replicated parameter is stored by the first
 slice alone. How each parameter is split comes from what DeepSpeed and the client provide for
 DeepSpeed's own universal checkpoint: AutoTP's per-parameter metadata, else the
-``universal_checkpoint_info`` patterns a Megatron client passes in its client state.
+``universal_checkpoint_info`` patterns a Megatron client passes in its client state or sets on
+its module. In Megatron-DeepSpeed's 3D setting the two meet: each pipeline stage is cut into
+tensor-parallel slices (its grid's ``model`` axis), and a model-parallel rank's part is its
+stage's layer files holding its slice.
 """
 
 from __future__ import annotations
@@ -42,16 +45,31 @@ def is_pipeline(engine: Any) -> bool:
     )
 
 
+def tensor_degree(engine: Any) -> int:
+    """How many tensor-parallel slices the engine's model is cut into: a pipeline's stages are
+    cut by its grid's ``model`` axis (Megatron's TP inside stages), any other engine's model by
+    its ``mpu`` (1: none)."""
+    if is_pipeline(engine):
+        return int(engine.grid.get_slice_parallel_world_size())
+    return int(getattr(engine, "mp_world_size", 1))
+
+
+def tensor_rank(engine: Any) -> int:
+    """Which tensor-parallel slice this rank holds (its coordinate on a pipeline grid's
+    ``model`` axis; else its model-parallel rank)."""
+    if is_pipeline(engine):
+        return int(engine.grid.get_slice_parallel_rank())
+    return int(engine.checkpoint_mp_rank)
+
+
 def is_tensor_parallel(engine: Any) -> bool:
-    """Whether ``engine`` holds tensor-parallel slices (model parallel without a pipeline)."""
-    return not is_pipeline(engine) and int(getattr(engine, "mp_world_size", 1)) > 1
+    """Whether ``engine`` holds tensor-parallel slices (on its own or inside pipeline stages)."""
+    return tensor_degree(engine) > 1
 
 
 def check_supported(engine: Any) -> None:
-    """UnsupportedError for model parallelism a step cannot yet describe: a pipeline that is
-    tensor parallel too, and tensor parallelism with ZeRO 3."""
-    if is_pipeline(engine) and engine.grid.get_slice_parallel_world_size() != 1:
-        raise UnsupportedError("a pipeline that is also tensor parallel is not supported yet")
+    """UnsupportedError for model parallelism a step cannot yet describe: tensor parallelism
+    with ZeRO 3."""
     if is_tensor_parallel(engine) and engine.zero_optimization_stage() == 3:
         raise UnsupportedError("tensor parallelism with ZeRO stage 3 is not supported; ZeRO 0, 1 and 2 are")
 
@@ -87,7 +105,9 @@ UNIVERSAL_INFO = "universal_checkpoint_info"
 _AUTOTP_META = "ds_autotp_universal_checkpoint_meta"
 _REPLICATED = "tp_replicated_parameter_patterns"
 _ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
-_SUB_PARAMS = ("parameter_with_sub_params", "parameter_with_2_sub_params_cat_dim_0")
+_AVERAGED = "parameter_to_average_patterns"
+_TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
+_SUB_PARAMS = "parameter_with_sub_params"
 _UNSUPPORTED = "autotp_unsupported_parameter_patterns"
 
 
@@ -105,28 +125,45 @@ def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> di
         return {name: _autotp_split(name, getattr(named.get(name), _AUTOTP_META, None)) for name in params}
     if info is None:
         raise UnsupportedError(
-            f"tensor parallelism (mp_world_size={engine.mp_world_size}) without AutoTP: pass how each "
+            f"tensor parallelism (degree {tensor_degree(engine)}) without AutoTP: pass how each "
             "parameter is split as DeepSpeed's universal checkpoint needs it, client_state="
-            '{"universal_checkpoint_info": {...}} (Megatron-DeepSpeed does)'
+            '{"universal_checkpoint_info": {...}} (Megatron-DeepSpeed sets it on its model)'
         )
-    fused = [
-        pattern for key in _SUB_PARAMS for entry in info.get(key, ()) for pattern in _sub_patterns(entry)
-    ]
+    degree = tensor_degree(engine)
+    fused = [pattern for entry in info.get(_SUB_PARAMS, ()) for pattern in _sub_patterns(entry)]
     splits: dict[str, dict | None] = {}
+    # The kinds are tried in the order ds_to_universal's merge_tp_slices tries them, so each
+    # parameter's logical tensor is the one it would write.
     for name, entry in params.items():
-        if _matches(fused, name) or _matches(info.get(_UNSUPPORTED), name):
-            raise UnsupportedError(
-                f"tensor-parallel parameter {name} has fused sub-parameters, not supported yet"
-            )
-        if _matches(info.get(_REPLICATED), name):
+        if _matches(info.get(_UNSUPPORTED), name):
+            raise UnsupportedError(f"tensor-parallel parameter {name} is one DeepSpeed cannot convert")
+        if _matches(info.get(_REPLICATED), name) or _matches(info.get(_AVERAGED), name):
+            # An averaged parameter's copies are equal unless training let them drift (BLOOM's
+            # bf16 norms did); the first is stored, and a materialize is bit-equal only where
+            # they are, which the 3D job checks.
             splits[name] = None
             continue
+        local = int(entry["shape"][0]) if entry["shape"] else 0
+        if _matches(info.get(_TWO_SUB_PARAMS), name):
+            if local % 2:
+                raise UnsupportedError(f"{name} of shape {entry['shape']} is no two equal sub-parameters")
+            # SwiGLU's dense_h_to_4h: each rank's slice is its part of the gate, then its part of
+            # the up projection; the logical tensor is the gate whole, then the up projection.
+            half = [local // 2] * degree
+            splits[name] = {"dim": 0, "sizes": [local] * degree, "sub": [half, list(half)]}
+            continue
+        if _matches(fused, name):
+            raise UnsupportedError(
+                f"tensor-parallel parameter {name} matches {_SUB_PARAMS}, not supported yet"
+            )
+        # A vocabulary parameter is split by rows like any column-parallel one; it is stored at
+        # its padded size (padded_vocab_size), the rows the ranks hold.
         dim = 1 if _matches(info.get(_ROW_PARALLEL), name) else 0  # as ds_to_universal reads them
         if dim >= len(entry["shape"]):
             raise UnsupportedError(
                 f"tensor-parallel parameter {name} of shape {entry['shape']} has no dimension {dim}"
             )
-        splits[name] = {"dim": dim, "sizes": [int(entry["shape"][dim])] * int(engine.mp_world_size)}
+        splits[name] = {"dim": dim, "sizes": [int(entry["shape"][dim])] * degree}
     return splits
 
 
@@ -170,7 +207,7 @@ def tensor_part(
     """This tensor-parallel rank's part of the description, its parameters at their logical
     shapes with their ``split``, and its pieces placed in their parameters' flat stored order
     (``tensorsplit``); a parameter or buffer every rank holds whole is kept by slice 0 alone."""
-    index = int(engine.checkpoint_mp_rank)
+    index = tensor_rank(engine)
     splits = tensor_splits(engine, description["params"], info)
     for name, split in splits.items():
         entry = description["params"][name]
@@ -193,7 +230,10 @@ def tensor_part(
             piece.name, piece.kind, offset + piece.start, piece.tensor.reshape(-1),
             unless_equal_to=None if equal_to is None else equal_to.reshape(-1),
         ))  # fmt: skip
-    part = {"rank": index, "size": int(engine.mp_world_size), "pipeline": False, "slice": index}
+    part = {
+        "rank": int(engine.checkpoint_mp_rank), "size": int(engine.mp_world_size),
+        "pipeline": is_pipeline(engine), "slice": index,
+    }  # fmt: skip
     return part, placed
 
 
@@ -252,10 +292,28 @@ def rank_description(description: dict, mp_rank: int) -> dict:
     return own
 
 
+def layer_file_names(description: dict) -> dict[str, list[str]]:
+    """A pipeline step's layer files by layer (``layer_XX``), each layer's in the order
+    DeepSpeed's glob sorts them (by tensor-parallel rank); empty for a step of no pipeline."""
+    names: dict[str, set[str]] = {}
+    for own in description.get("model_parallel", {}).get("ranks", []):
+        for name, _ in own["model_parallel"].get("layer_files", []):
+            names.setdefault(name.split("-", 1)[0], set()).add(name)
+    return {layer: sorted(files) for layer, files in names.items()}
+
+
+def tensor_size(description: dict) -> int:
+    """How many tensor-parallel slices the step's model was cut into (1: none)."""
+    ranks = description.get("model_parallel", {}).get("ranks", [])
+    return 1 + max((own["model_parallel"].get("slice", 0) for own in ranks), default=0)
+
+
 def same_split(description: dict, engine: Any, what: str) -> bool:
-    """Whether ``engine`` splits its model as the step's engine did (the same number of
-    model-parallel ranks); False for a pipeline of another number of stages, which a restore
-    reshards. BadInputError where one is a pipeline and the other not: their modules differ."""
+    """Whether ``engine`` splits its model as the step's engine did (as many pipeline stages
+    and tensor-parallel slices); False for another number of stages, or another degree of
+    tensor parallelism, which a restore reshards. BadInputError where one is a pipeline and
+    the other not: their modules differ. UnsupportedError for a pipeline of tensor-parallel
+    stages (Megatron's 3D) into another layout, or such a layout from another."""
     was, now = size(description), int(getattr(engine, "mp_world_size", 1))
     was_pipeline = description.get("model_parallel", {}).get("pipeline", False)
     if was_pipeline != is_pipeline(engine):
@@ -264,4 +322,13 @@ def same_split(description: dict, engine: Any, what: str) -> bool:
             f"{what} was committed by {kind[was_pipeline]}, this is {kind[is_pipeline(engine)]}: their "
             "modules name their parameters differently; export the weights (ckptstore export) to move them"
         )
-    return was == now
+    was_tp, now_tp = tensor_size(description), tensor_degree(engine)
+    if (was, was_tp) == (now, now_tp):
+        return True
+    if was_pipeline and max(was_tp, now_tp) > 1:
+        raise UnsupportedError(
+            f"{what} is a pipeline of {was // was_tp} stages x TP {was_tp}, this engine {now // now_tp} x TP "
+            f"{now_tp}: restoring a pipeline with tensor-parallel stages into another layout is not "
+            "supported yet (ds_to_universal + load_universal of a materialized step can)"
+        )
+    return False
