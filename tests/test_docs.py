@@ -85,3 +85,26 @@ def test_every_python_block_is_marked_a_fragment_or_runs_as_written(tmp_path, mo
             exec(compile(code, where, "exec"), {"engine": engine})  # noqa: S102 - our own docs
     finally:
         destroy_engine(engine)
+
+
+def test_the_cli_page_shows_every_command_and_the_guide_every_option():
+    """Checked against the CLI itself: every command and subcommand of ``ckptstore --help`` has
+    a ``ckptstore <command>`` line on the command-line page, and every long option of each
+    is named there or on the operations page."""
+    import click
+
+    from ckptstore.cli import cli
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    both = page + (ROOT / "docs" / "operations.md").read_text()
+
+    def commands(group: click.Group, prefix: str = ""):
+        for name, command in group.commands.items():
+            yield f"{prefix}{name}", command
+            if isinstance(command, click.Group):
+                yield from commands(command, f"{prefix}{name} ")
+
+    for name, command in commands(cli):
+        assert re.search(rf"ckptstore (?:--\S+ \S+ )*{re.escape(name)}\b", page), f"docs/cli.md lacks {name}"
+        options = [o for p in command.params for o in getattr(p, "opts", []) if o.startswith("--")]
+        assert not [o for o in options if o not in both], (name, [o for o in options if o not in both])
