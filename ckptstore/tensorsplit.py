@@ -97,7 +97,8 @@ def same_order(one: dict, other: dict) -> bool:
 
 def description_problem(description: object) -> str | None:
     """What is wrong with the model parallelism a step's ``description`` (plain JSON data)
-    gives the code that lays it out, or None: every parameter's ``split`` (an ``int`` dim
+    gives the code that lays it out, or None: every parameter's ``original_vocab_size`` (a
+    vocabulary's rows that are no padding: at most its rows), its ``split`` (an ``int`` dim
     within its shape, sizes of at least one slice, non-negative, adding up to that dim; its
     ``sub``, where it has one, a list per sub-parameter of a width per slice, the widths on
     each slice adding up to its size) and
@@ -110,6 +111,10 @@ def description_problem(description: object) -> str | None:
     params = params if isinstance(params, dict) else {}
     slices: dict[str, int] = {}  # split parameter -> its number of slices
     for name, info in params.items():
+        rows = info.get("original_vocab_size") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if rows is not None and not (_count(rows) and isinstance(shape, list) and shape and rows <= shape[0]):
+            return f"parameter {name!r} has an original_vocab_size {rows!r:.20} beyond its rows"
         split = info.get("split") if isinstance(info, dict) else None
         if split is None:
             continue

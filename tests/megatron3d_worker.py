@@ -8,8 +8,9 @@ ZeRO-1): train two steps, save, train on (the uninterrupted run); resume a fresh
 ``load_checkpoint`` and train the same batches; convert the save with ``ds_to_universal`` and
 load it with ``load_universal`` into other layouts of the 4 ranks and train on. A ckptstore
 commit of the state saved is materialized (compared file by file with the save) and resumed
-from, and restored into a fresh engine of the same layout; a restore into the other layouts
-is tried first (refused today). Each rank writes what it observed to
+from, restored into a fresh engine of the same layout, and exported; a restore into the other
+layouts is tried first (refused today). At PP 2 × TP 2, step 4 is committed saving one block
+alone (a composite), materialized, and resumed from. Each rank writes what it observed to
 ``RESULT.<rank>.json``; the pytest side asserts on it.
 """
 
@@ -27,13 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.model_parallel_worker import differences  # noqa: E402
+from tests.model_parallel_worker import differences, tensors_of  # noqa: E402
 from tools import megatron_gpt  # noqa: E402
 from tools.engines import destroy_engine, setup_single_process_env  # noqa: E402
 
 DATA = megatron_gpt.batches(8)  # two train_batch steps of 2 micro-batches, then two more
 TAG = "global_step2"
 UNIVERSAL = {"checkpoint": {"load_universal": True}}
+BLOCK = "3"  # the transformer block (its LayerSpec index) the composite step 4 saves
 
 
 def to_universal(checkpoint: Path, out: Path) -> None:
@@ -71,16 +73,61 @@ def universal_summary(universal: Path) -> dict:
 def against_universal(store, universal: Path) -> dict:
     """Per parameter of the store's step 2 (its logical fp32 tensors, ``store.state_dict``): its
     shape, and whether it equals the ``fp32`` that ``ds_to_universal`` wrote for it (the
-    vocabulary's first ``original_vocab_size`` rows: ckptstore keeps the padding)."""
+    vocabulary's padding left out, ckptstore's ``original_vocab_size``)."""
     ours = store.state_dict(2)
     compared = {}
     for folder in sorted(path for path in (universal / "zero").iterdir() if path.is_dir()):
         theirs = torch.load(folder / "fp32.pt", weights_only=False)["param"]
         mine = ours[folder.name]
-        compared[folder.name] = {
-            "shape": list(mine.shape), "equal": torch.equal(mine[: theirs.shape[0]], theirs),
-        }  # fmt: skip
+        compared[folder.name] = {"shape": list(mine.shape), "equal": torch.equal(mine, theirs)}
     return compared
+
+
+def exported(store, out: Path, universal: Path) -> dict:
+    """``store.export`` of step 2: its tensors' names, and per tensor its dtype and shape and
+    whether it equals the ``fp32`` ``ds_to_universal`` wrote for it cast to the model's bf16."""
+    from safetensors.torch import load_file
+
+    report = store.export(2, out)
+    tensors = load_file(out / "model.safetensors")
+    compared = {}
+    for name, tensor in tensors.items():
+        theirs = torch.load(universal / "zero" / name / "fp32.pt", weights_only=False)["param"]
+        compared[name] = {
+            "dtype": str(tensor.dtype), "shape": list(tensor.shape),
+            "equal": torch.equal(tensor, theirs.to(torch.bfloat16)),
+        }  # fmt: skip
+    return {"files": report.weight_files, "tensors": compared}
+
+
+def same_file(one: Path, other: Path) -> bool:
+    """Whether two torch files hold the same keys and bit-equal tensors."""
+    mine, theirs = tensors_of(one), tensors_of(other)
+    return set(mine) == set(theirs) and all(
+        mine[key].dtype == tensor.dtype and mine[key].shape == tensor.shape and torch.equal(mine[key], tensor)
+        for key, tensor in theirs.items()
+    )
+
+
+def composite(root: Path, store) -> dict:
+    """The composite step 4 (block ``BLOCK`` saved, the rest inherited from step 2): its
+    sources, verify, and its materialize's layer files, each compared with DeepSpeed's own
+    save of step 4 and step 2's materialize."""
+    store.materialize(4, root / "composite")
+    ours, new, old = (
+        root / "composite" / "global_step4",
+        root / "deepspeed4" / "global_step4",
+        root / "materialized" / TAG,
+    )
+    return {
+        "sources": store.sources(4),
+        "verify": store.verify().ok,
+        "files": sorted(path.name for path in ours.iterdir()) == sorted(path.name for path in new.iterdir()),
+        "layer_files": {
+            path.name: {"new": same_file(path, new / path.name), "old": same_file(path, old / path.name)}
+            for path in sorted(ours.glob("layer_*"))
+        },
+    }
 
 
 def resumed(
@@ -90,10 +137,12 @@ def resumed(
     resave: Path | None = None,
     store=None,
     refused_by=None,
+    tag: str = TAG,
+    data: list = DATA[4:8],
 ) -> dict:
     """A fresh engine of ``layout`` (another seed: nothing of its own survives a load) loaded
-    from ``checkpoint`` at step 2 (or restored from ``store``'s step 2, and saved again to
-    ``resave``), then trained on the next two steps. What ``refused_by`` (a store) does when
+    from ``checkpoint``'s ``tag`` (or restored from ``store``'s step 2, and saved again to
+    ``resave``), then trained on ``data`` (the next two steps). What ``refused_by`` (a store) does when
     asked to restore its step 2 into this engine first is recorded too."""
     engine = megatron_gpt.build_engine(*layout, seed=1, **(UNIVERSAL if universal else {}))
     restore = {} if refused_by is None else {"restore": refused(lambda: refused_by.restore(engine, step=2))}
@@ -101,10 +150,10 @@ def resumed(
         if store is not None:
             store.restore(engine, step=2)
         else:
-            engine.load_checkpoint(str(checkpoint), tag=TAG)
+            engine.load_checkpoint(str(checkpoint), tag=tag)
         if resave is not None:
             engine.save_checkpoint(str(resave), tag=TAG)
-        run = {"global_steps": engine.global_steps, "losses": megatron_gpt.train(engine, DATA[4:8])}
+        run = {"global_steps": engine.global_steps, "losses": megatron_gpt.train(engine, data)}
     except Exception as error:  # DeepSpeed refusing a layout is a result, not a crash of the job
         run = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
     destroy_engine(engine)
@@ -141,6 +190,9 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
     store.commit(engine, step=2)  # blocking: the state save_checkpoint writes next
     engine.save_checkpoint(str(saved), tag=TAG)
     run["continued"] = megatron_gpt.train(engine, DATA[4:8])
+    if layout == (2, 2, 1):  # a composite: step 4 saves one block, inherits the rest from step 2
+        store.commit(engine, step=4, layers=[BLOCK])
+        engine.save_checkpoint(str(root / "deepspeed4"), tag="global_step4")
     destroy_engine(engine)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -154,12 +206,18 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         note(f"{layout} materialize")
         store.materialize(2, root / "materialized")
         run["materialized_differences"] = differences(root / "materialized" / TAG, saved / TAG)
+        run["exported"] = exported(store, root / "exported", root / "universal" / TAG)
+        if layout == (2, 2, 1):
+            note(f"{layout} composite")
+            run["composite"] = composite(root, store)
     dist.barrier()
     note(f"{layout} resume")
     run["resumed"] = resumed(layout, saved, resave=root / "resaved")
     run["resumed_from_materialized"] = resumed(
         layout, root / "materialized", resave=root / "resaved-materialized"
     )
+    if layout == (2, 2, 1):  # fresh engines resume from the composite and train on
+        run["composite_resumed"] = resumed(layout, root / "composite", tag="global_step4", data=DATA[4:6])
     note(f"{layout} restore")
     run["restored"] = resumed(layout, None, resave=root / "resaved-restored", store=store)
     dist.barrier()

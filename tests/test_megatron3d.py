@@ -1,6 +1,7 @@
 """Megatron-DeepSpeed's 3D setting (issue 47): ``tools/megatron_gpt``'s ``GPTModelPipe`` is a
 model DeepSpeed's own machinery saves, converts and resumes, and ckptstore commits, materializes
-and restores in the same layout as DeepSpeed's own save.
+and restores in the same layout as DeepSpeed's own save, composes a step from two, and exports
+as the universal checkpoint's fp32 tensors.
 
 One ``torch.distributed.run`` job of 4 ranks (tests/megatron3d_worker.py) trains PP 2 × TP 2
 and PP 2 × TP 1 × DP 2 (bf16, ZeRO-1), saves, resumes with ``load_checkpoint``, converts with
@@ -133,10 +134,13 @@ def test_a_3d_step_is_stored_as_the_logical_parameters_ds_to_universal_writes(ob
     logical = observed[0]["2x2x1"]["logical"]
     assert logical["2.mlp.dense_h_to_4h.weight"]["shape"] == [128, 32]
     assert logical["2.self_attention.dense.weight"]["shape"] == [32, 32]
-    # the vocabulary is kept at its padded size (52 rows at TP 2, 50 at TP 1); its first
-    # original_vocab_size rows are the universal checkpoint's
-    assert logical["tied_modules.embed.word_embeddings.weight"]["shape"] == [52, 32]
-    assert observed[0]["2x1x2"]["logical"]["tied_modules.embed.word_embeddings.weight"]["shape"] == [50, 32]
+    # the vocabulary is stored at its padded size (52 rows at TP 2, 50 at TP 1: materialize
+    # writes the ranks' rows back), and read without its padding, as ds_to_universal writes it
+    for layout in ("2x2x1", "2x1x2"):
+        assert observed[0][layout]["logical"]["tied_modules.embed.word_embeddings.weight"]["shape"] == [
+            49,
+            32,
+        ]
 
 
 @pytest.mark.parametrize("layout", ["2x2x1", "2x1x2"])
@@ -159,6 +163,55 @@ def test_resume_from_materialize_or_restore_of_a_3d_step_equals_deepspeeds_own_r
             assert run[how]["losses"] == run["resumed"]["losses"]
     if layout == "2x2x1":  # and, as DeepSpeed's own resume, the uninterrupted run's
         assert all(rank[layout]["restored"]["losses"] == rank[layout]["continued"] for rank in observed)
+
+
+def test_a_3d_composite_saves_one_block_and_inherits_the_rest_from_the_earlier_step(observed):
+    # PP 2 × TP 2: step 2 committed whole, two more steps trained, step 4 committed saving
+    # block 3 alone (a pipeline layer is its LayerSpec index)
+    composite = observed[0]["2x2x1"]["composite"]
+    assert composite["sources"] == {
+        "tied_modules.embed.word_embeddings": 2, "2": 2, "3": 4, "4": 2, "5": 2, "6": 2,
+    }  # fmt: skip
+    assert composite["verify"] is True
+    # its materialize writes DeepSpeed's file names; each layer file of block 3 (one per TP
+    # rank) is step 4's (DeepSpeed's own save of it), every other one step 2's materialize
+    assert composite["files"] is True
+    layer_files = composite["layer_files"]
+    assert sorted(layer_files) == [f"layer_{index:02d}-model_{tp:02d}-model_states.pt" for index in range(1, 7)
+                                   for tp in (0, 1)]  # fmt: skip
+    for name, same in layer_files.items():
+        from_new_step = name.startswith("layer_03-")
+        assert same == {"new": from_new_step, "old": not from_new_step}, name
+
+
+def test_fresh_3d_engines_resume_from_the_materialized_composite_and_train_on(observed):
+    for rank in observed:
+        run = rank["2x2x1"]["composite_resumed"]
+        assert "error" not in run, run.get("traceback")
+        assert run["global_steps"] == 4
+        assert all(math.isfinite(loss) for loss in run["losses"])
+
+
+@pytest.mark.parametrize("layout", ["2x2x1", "2x1x2"])
+def test_export_of_a_3d_step_is_the_universal_checkpoints_fp32_in_the_model_dtype(observed, layout):
+    exported = observed[0][layout]["exported"]
+    tensors = exported["tensors"]
+    # the model's own names, each parameter once (the tied embedding too), as
+    # ds_to_universal names its folders
+    assert exported["files"] == ["model.safetensors"]
+    assert sorted(tensors) == sorted(observed[0][layout]["universal"])
+    assert [
+        name for name, seen in tensors.items() if not seen["equal"] or seen["dtype"] != "torch.bfloat16"
+    ] == []
+    assert [
+        name
+        for name, seen in tensors.items()
+        if seen["shape"] != observed[0][layout]["universal"][name]["shape"]
+    ] == []
+    # the vocabulary without its padding (original_vocab_size rows); SwiGLU's dense_h_to_4h
+    # its gate whole, then its up projection
+    assert tensors["tied_modules.embed.word_embeddings.weight"]["shape"] == [49, 32]
+    assert tensors["2.mlp.dense_h_to_4h.weight"]["shape"] == [128, 32]
 
 
 @pytest.mark.parametrize(

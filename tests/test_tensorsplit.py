@@ -81,3 +81,15 @@ def test_a_split_whose_sub_parameters_do_not_tile_its_slices_is_a_malformed_desc
         info = {"shape": [12, 2], "split": {"dim": 0, "sizes": [8, 4], "sub": sub}}
         problem = tensorsplit.description_problem({"params": {"model.qkv_proj.weight": info}})
         assert problem is not None and "model.qkv_proj.weight" in problem, bad
+
+
+def test_a_vocabulary_keeps_at_most_its_rows_as_its_original_vocab_size():
+    padded = {"shape": [52, 32], "split": {"dim": 0, "sizes": [26, 26]}}
+    assert (
+        tensorsplit.description_problem({"params": {"embed": {**padded, "original_vocab_size": 49}}}) is None
+    )
+    for bad in (53, -1, "49", 49.0, True):
+        problem = tensorsplit.description_problem(
+            {"params": {"embed": {**padded, "original_vocab_size": bad}}}
+        )
+        assert problem is not None and "embed" in problem, bad

@@ -327,6 +327,7 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         )
         if stage is not None:
             part = {**stage, "slice": part["slice"]}
+    parallel.mark_vocabulary(description["params"], model_state.get(parallel.UNIVERSAL_INFO))
     if part is None:
         return Snapshot(plainstate.to_plain(description), pieces, rank, world_size)
     description["model_parallel"] = part

@@ -109,6 +109,8 @@ _AVERAGED = "parameter_to_average_patterns"
 _TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
 _SUB_PARAMS = "parameter_with_sub_params"
 _UNSUPPORTED = "autotp_unsupported_parameter_patterns"
+_VOCABULARY = "vocabulary_parameter_patterns"
+_ORIGINAL_VOCAB = "original_vocab_size"
 
 
 def _matches(patterns, name: str) -> bool:
@@ -235,6 +237,24 @@ def tensor_part(
         "pipeline": is_pipeline(engine), "slice": index,
     }  # fmt: skip
     return part, placed
+
+
+def mark_vocabulary(params: dict[str, dict], info: dict | None) -> None:
+    """Give each vocabulary parameter of ``params`` (``vocabulary_parameter_patterns``) the
+    ``original_vocab_size`` of ``info``. It stays stored at its padded rows (what the ranks
+    hold, what a materialize writes back); the rows past ``original_vocab_size`` are padding,
+    which ``ds_to_universal`` leaves out and so do ``state_dict`` and ``export``. BadInputError
+    where ``info`` gives more rows than the parameter has."""
+    rows = info.get(_ORIGINAL_VOCAB) if isinstance(info, dict) else None
+    if type(rows) is not int:
+        return
+    for name, entry in params.items():
+        if _matches(info.get(_VOCABULARY), name) and entry["shape"]:
+            if not 0 < rows <= entry["shape"][0]:
+                raise BadInputError(
+                    f"universal_checkpoint_info's original_vocab_size is {rows}, {name} has {entry['shape'][0]} rows"
+                )
+            entry[_ORIGINAL_VOCAB] = rows
 
 
 def combine(parts: list[dict]) -> dict:

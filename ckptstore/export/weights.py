@@ -2,8 +2,10 @@
 
 A trainable parameter's weight is its fp32 master (what ``zero_to_fp32`` consolidates); a
 frozen one is its stored module weight; a persistent buffer is stored as is. Tied parameters
-(``aliases``) are one stored tensor under several names. Only these tensors are read, never
-optimizer state, so a weights-only step exports like a full one.
+(``aliases``) are one stored tensor under several names. A padded vocabulary (Megatron's, whose
+``universal_checkpoint_info`` gives its ``original_vocab_size``) is read without its padding.
+Only these tensors are read, never optimizer state, so a weights-only step exports like a
+full one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ _DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }  # fmt: skip
+
+
+# A vocabulary parameter's rows that are no padding (DeepSpeed's original_vocab_size, from the
+# universal_checkpoint_info of a Megatron-style model); the step stores the padded rows.
+VOCAB_ROWS = "original_vocab_size"
+
+
+def exported_shape(info: dict) -> tuple[int, ...]:
+    """The shape a parameter (its description entry) is exported at: its logical shape, a
+    vocabulary's rows cut to ``original_vocab_size`` as ``ds_to_universal`` cuts them."""
+    shape = list(info["shape"])
+    if VOCAB_ROWS in info:
+        shape[0] = info[VOCAB_ROWS]
+    return tuple(shape)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -67,7 +83,7 @@ class StepWeights:
                 self.entries.append(Weight(key, BUFFER, None))
             else:
                 kind = FP32 if params[key]["trainable"] else WEIGHT
-                self.entries.append(Weight(key, kind, tuple(params[key]["shape"])))
+                self.entries.append(Weight(key, kind, exported_shape(params[key])))
         trainable = [p for p in params.values() if p["trainable"]] or list(params.values())
         self.training_dtype = DTYPES[trainable[0]["dtype"]] if trainable else torch.float32
         only = {(w.name, w.kind) for w in self.entries}
@@ -83,6 +99,8 @@ class StepWeights:
             raise CorruptError(f"step {self.step} has no stored {weight.kind} tensor for {weight.name}")
         if weight.name in self._params:  # a tensor-parallel one is stored a slice after another
             tensor = tensorsplit.to_logical(tensor, self._params[weight.name])
+            if VOCAB_ROWS in self._params[weight.name]:  # the vocabulary's padding left out
+                tensor = tensor[: self._params[weight.name][VOCAB_ROWS]]
         if dtype is not None and tensor.is_floating_point():
             tensor = cast(tensor, dtype)
         return tensor
@@ -90,7 +108,8 @@ class StepWeights:
     def stored_dtype(self, weight: Weight) -> torch.dtype | None:
         """The dtype ``weight`` is stored in when ``read_pieces`` can decode it (it is stored in
         packs in the weight's own order), else None (``read`` it)."""
-        if weight.name in self._params and not tensorsplit.in_logical_order(self._params[weight.name]):
+        info = self._params.get(weight.name)
+        if info is not None and (not tensorsplit.in_logical_order(info) or VOCAB_ROWS in info):
             return None
         if self._reader.pieces(weight.name, weight.kind) is None:
             return None
