@@ -19,10 +19,12 @@ from .catalog import Catalog
 from .dcp import dcp_description
 from .dcp.directory import materialize_dcp
 from .dcp.weights import state_dict as dcp_state_dict
+from .errors import BadInputError, UnsupportedError
 from .export.weights import parse_dtype
 from .export.weights import state_dict as engine_state_dict
 from .materialize import compose, outputs
 from .materialize.directory import materialize as materialize_engine_step
+from .materialize.universal import materialize_universal
 from .objects import ObjectStore
 
 
@@ -46,12 +48,21 @@ def materialize(
     force: bool,
     tag: str | None,
     allow_pickle: bool = False,
+    universal: bool = False,
 ) -> Path:
     """``Store.materialize``: the directory of ``step`` (or of a compose ``spec``) at ``out``,
     in the layout of the door that wrote the step; raises as ``Store.materialize`` says
     (``allow_pickle`` as it documents)."""
     step, description = _dcp_step(catalog, step, spec)
     with outputs.writing(out, "materialize"):
+        if universal:
+            if spec is not None or world_size is not None or tag is not None:
+                raise BadInputError("materialize --universal takes a step, not --spec, --world-size or --tag")
+            if description is not None:
+                raise UnsupportedError(
+                    f"materialize --universal of step {step}: a DCP step has no universal form"
+                )
+            return materialize_universal(objects, catalog, step, out, force=force)
         if description is not None:
             return materialize_dcp(
                 objects, catalog, step, description, out,

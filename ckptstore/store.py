@@ -194,6 +194,7 @@ class Store(TierVerbs):
         force: bool = False,
         tag: str | None = None,
         allow_pickle: bool = False,
+        universal: bool = False,
     ) -> Path:
         """Write a DeepSpeed checkpoint directory for ``step`` at ``out`` and return its path.
 
@@ -226,10 +227,19 @@ class Store(TierVerbs):
         step and item (nothing written); ``allow_pickle=True`` writes them as stored, and
         loaders of ``out`` (accelerate's ``load_state``, DCP) run any code in them: only for a
         trusted store.
+
+        ``universal=True`` writes instead what DeepSpeed's ``ds_to_universal`` writes for the
+        step, straight from the store: ``out/latest_universal`` and
+        ``out/global_step<step>_universal/`` (``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``,
+        ``zero/optimizer_state.pt``, the model-states files), which ``load_checkpoint`` with
+        ``load_universal`` reads at another layout (``materialize.universal``). Only a ZeRO-1/2
+        step without model parallelism yet: UnsupportedError naming anything else, and
+        BadInputError with ``spec``, ``world_size`` or ``tag``.
         """
         return frontdoors.materialize(
             self.objects, self.catalog, step, out,
             spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle,
+            universal=universal,
         )  # fmt: skip
 
     @while_open

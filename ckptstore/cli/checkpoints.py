@@ -50,6 +50,11 @@ def check_step_or_spec(step: int | None, spec: str | None) -> None:
     "code in them. Only for a store no one untrusted can write; without it such a file is left out "
     "with a warning, such a bytes item refused (exit 4).",
 )  # fmt: skip
+@click.option(
+    "--universal", is_flag=True,
+    help="Write what DeepSpeed's ds_to_universal writes for the step instead (OUT/latest_universal, "
+    "OUT/global_step<STEP>_universal/), for load_checkpoint with load_universal at another layout.",
+)  # fmt: skip
 @click.argument("out", type=click.Path(file_okay=False))
 @click.pass_context
 def materialize(
@@ -60,6 +65,7 @@ def materialize(
     force: bool,
     tag: str | None,
     allow_pickle: bool,
+    universal: bool,
     out: str,
 ) -> None:
     """Write step STEP (or the checkpoint a compose spec describes) as a DeepSpeed directory OUT.
@@ -85,12 +91,14 @@ def materialize(
     \b
     Example: ckptstore --store runs/store materialize --step 300 out/
     For accelerate's load_state: ckptstore materialize --step 300 --tag pytorch_model out/
+    DeepSpeed's universal checkpoint: ckptstore materialize --universal --step 300 out/
     """
     check_step_or_spec(step, spec)
     with open_store(ctx) as store:
         path = store.materialize(
-            step, out, spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle
-        )
+            step, out, spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle,
+            universal=universal,
+        )  # fmt: skip
     click.echo(f"materialized {f'step {step}' if spec is None else spec} at {path}")
 
 

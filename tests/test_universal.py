@@ -1,0 +1,103 @@
+"""``materialize --universal``: DeepSpeed's universal checkpoint of a step, written from the store."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import UnsupportedError
+from tools.engines import batches, build_engine, destroy_engine, train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_parallel_worker import same, to_universal  # noqa: E402
+
+DATA = batches(4)
+# ds_to_universal refuses a checkpoint without universal_checkpoint_info; a plain engine's has none.
+CLIENT_STATE = {"universal_checkpoint_info": {}}
+UNIVERSAL = {"checkpoint": {"load_universal": True}}
+
+
+def files_of(folder: Path) -> dict[str, object]:
+    """Every file under ``folder`` by its relative path, loaded."""
+    return {
+        str(path.relative_to(folder)): torch.load(path, weights_only=False)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_universal_materialize_equals_ds_to_universal_and_load_universal_trains_on_alike(
+    tmp_path, stage, dtype
+):
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
+    train(engine, DATA[:2])
+    store.commit(engine, step=2, client_state=CLIENT_STATE)
+    engine.save_checkpoint(
+        str(tmp_path / "deepspeed"), tag="global_step2_universal", client_state=CLIENT_STATE
+    )
+    destroy_engine(engine)
+    to_universal(tmp_path / "deepspeed" / "global_step2_universal", tmp_path / "theirs")
+
+    out = store.materialize(2, tmp_path / "ours", universal=True)
+
+    assert (out / "latest_universal").read_text() == "global_step2_universal"
+    ours, theirs = (
+        files_of(out / "global_step2_universal"),
+        files_of(tmp_path / "theirs" / "global_step2_universal"),
+    )
+    assert sorted(ours) == sorted(theirs)
+    assert [path for path in ours if not same(ours[path], theirs[path])] == []
+    assert "zero/model.norm.weight/step.pt" in ours
+
+    losses = {}
+    for name, folder in (("ours", out), ("theirs", tmp_path / "theirs")):
+        resumed = build_engine(
+            "llama", zero_stage=1 if stage == 2 else 2, dtype=dtype, seed=9, num_layers=2, **UNIVERSAL
+        )
+        resumed.load_checkpoint(str(folder))
+        assert resumed.global_steps == 2
+        losses[name] = train(resumed, DATA[2:])
+        destroy_engine(resumed)
+    assert losses["ours"] == losses["theirs"]
+
+
+def test_universal_materialize_refuses_what_it_does_not_reach_yet(tmp_path):
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_engine("llama", zero_stage=0, dtype="fp32", seed=0, num_layers=1)
+    train(engine, DATA[:1])
+    store.commit(engine, step=1)
+    destroy_engine(engine)
+    with pytest.raises(UnsupportedError, match="only ZeRO-1/2"):
+        store.materialize(1, tmp_path / "out", universal=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_universal_materialize_on_the_command_line_writes_latest_universal_and_refuses_a_zero0_step(
+    tmp_path, run
+):
+    store = ckptstore.open(tmp_path / "store", create=True)
+    for step, stage in ((1, 0), (2, 1)):
+        engine = build_engine("llama", zero_stage=stage, dtype="fp32", seed=0, num_layers=1)
+        train(engine, DATA[:1])
+        store.commit(engine, step=step, client_state=CLIENT_STATE)
+        destroy_engine(engine)
+    store.close()
+
+    done = run("--store", tmp_path / "store", "materialize", "--universal", "--step", 2, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "latest_universal").read_text() == "global_step2_universal"
+    assert (tmp_path / "out" / "global_step2_universal" / "zero" / "model.norm.weight" / "fp32.pt").is_file()
+
+    refused = run(
+        "--store", tmp_path / "store", "materialize", "--universal", "--step", 1, tmp_path / "zero0"
+    )
+    assert refused.returncode == 6 and "ZeRO 0" in refused.stderr
+    tagged = run(
+        "--store", tmp_path / "store", "materialize", "--universal", "--step", 2, "--tag", "x", tmp_path / "t"
+    )
+    assert tagged.returncode == 2  # a universal checkpoint's folder is named for its step
