@@ -1,7 +1,7 @@
 """``Store``: the library's face. One short method per verb; the parts below do the work.
 
 ``commit`` (the ``commit`` package), ``materialize`` (``materialize``), ``verify``, ``gc``;
-queries go to the ``catalog``. ``ckptstore.open`` (``opening``) builds a Store from a URI.
+the queries (``queries.StoreQueries``) go to the ``catalog``. ``ckptstore.open`` (``opening``) builds a Store from a URI.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from . import auxfiles, frontdoors, strategies
-from . import report as report_
 from .arguments import check_step, while_open
 from .catalog import Catalog
 from .commit.background import CommitHandle
@@ -24,11 +23,12 @@ from .commit.step import CommitReport
 from .errors import BadInputError
 from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
 from .export.folder import export as export_folder
-from .gc import GcReport, KeepBest, collect, delete_step, grace_seconds
+from .gc import GcReport, collect, delete_step
 from .materialize import compose, outputs
-from .model import FileRow, LayerRow, StepRow
 from .objects import ObjectStore
+from .queries import StoreQueries
 from .restore import restore as restore_engine
+from .retention import KeepBest, grace_seconds
 from .tier import Tier
 from .tier.verbs import TierVerbs
 from .verify import VerifyReport, verify
@@ -36,7 +36,7 @@ from .verify import VerifyReport, verify
 __all__ = ["Store", "CommitReport", "VerifyReport"]
 
 
-class Store(TierVerbs):
+class Store(StoreQueries, TierVerbs):
     """A checkpoint store: blobs in an ObjectStore, an index of the steps in a Catalog."""
 
     def __init__(self, objects: ObjectStore, catalog: Catalog, *, tier: Tier | None = None) -> None:
@@ -66,63 +66,6 @@ class Store(TierVerbs):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- queries ---------------------------------------------------------------------------
-
-    @while_open
-    def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return self.catalog.steps()
-
-    @while_open
-    def sources(self, step: int) -> dict[str, int]:
-        """Every layer of ``step`` -> the step whose tensors it uses. Raises NotFoundError."""
-        return self.catalog.sources(check_step(step))
-
-    @while_open
-    def log(self) -> list[StepRow]:
-        """Summary of every committed step (time, layers saved, bytes added), oldest first.
-        A step whose manifest cannot be read is left out and named in ``unreadable_steps``."""
-        return self.catalog.log()
-
-    @while_open
-    def unreadable_steps(self) -> dict[int, str]:
-        """Steps whose manifest exists but could not be read so far (step -> why): committed
-        and damaged, not absent. ``log`` lists the others; reading one raises CorruptError."""
-        return dict(self.catalog.unreadable)
-
-    @while_open
-    def show(self, step: int) -> list[LayerRow]:
-        """Every layer of ``step``: the step it comes from, its stored bytes, and its update
-        (relative change of its fp32 masters since its last save, measured at ``step``).
-        Raises NotFoundError."""
-        return self.catalog.layer_rows(check_step(step))
-
-    @while_open
-    def resumable(self, step: int) -> bool:
-        """Whether ``step`` resumes (materialize, restore); False for a weights-only step, which
-        gc kept with its weights only (it still exports). Raises NotFoundError."""
-        return not self.catalog.is_weights_only(check_step(step))
-
-    @while_open
-    def files(self, step: int) -> list[FileRow]:
-        """The auxiliary files kept with ``step``. Raises NotFoundError."""
-        return self.catalog.files(check_step(step))
-
-    @while_open
-    def report(
-        self, out: str | os.PathLike | None = None, *, steps: str | None = None, force: bool = False
-    ) -> report_.Figures:
-        """What the store saw at each step of ``steps`` (``"A..B"``, ``"A.."``, ``"..B"``, one
-        step; None: all): each layer's update and whether the step saved it, logical and stored
-        bytes per step and cumulative, the dedup ratio. With ``out``, also writes the report
-        there (PNG charts, ``index.html``, ``figures.json``; matplotlib needed, UnsupportedError
-        without it), checked and replaced as ``materialize`` treats its output. Raises
-        BadInputError for a malformed range, NotFoundError when no step lies in it."""
-        figures = report_.gather(self, *report_.parse_range(steps))
-        if out is not None:
-            report_.write(self, out, figures, force=force)
-        return figures
 
     # -- commit ----------------------------------------------------------------------------
 

@@ -19,9 +19,9 @@ LAYERS = [
     {"model", "objects", "tensorsplit"},
     {"format"},
     {"catalog", "deepspeed", "strategies", "auxfiles", "arguments"},
-    {"commit", "materialize", "verify", "quarantine", "gc", "thin", "restore", "dcp", "tier"},
+    {"commit", "materialize", "verify", "quarantine", "gc", "retention", "thin", "restore", "dcp", "tier"},
     {"export", "frontdoors", "report"},
-    {"store"},
+    {"store", "queries"},
     {"opening"},
     {"cli", "__init__", "__main__", "integrations"},
 ]

@@ -13,7 +13,6 @@ with the marker that lets ``--force`` replace it later.
 from __future__ import annotations
 
 import io
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -132,16 +131,11 @@ def write_directory(
             items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=data))
         where[index] = location
     fetcher = chunks.ChunkFetcher(objects, catalog, step, where.values())
-    staging = outputs.staging_dir(out)
-    try:
+    with outputs.building(out, "materialize", step) as staging:
         writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True)
         writer.set_up_storage_writer(True, rank=0, use_collectives=True)
         plan = writer.prepare_local_plan(SavePlan(items))
         (plan,) = writer.prepare_global_plan([plan])
         results = writer.write_data(plan, _StoredChunks(fetcher, where, allow_pickle)).wait()
         writer.finish(metadata, [results])
-        outputs.mark(staging, "materialize", step)
-        outputs.swap_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out

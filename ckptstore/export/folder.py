@@ -14,7 +14,6 @@ import fnmatch
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,8 +102,7 @@ def export(
     split = _split(layout, max_shard_size)
     by_name = {w.name: w for w in weights.entries}
 
-    staging = outputs.staging_dir(out)
-    try:
+    with outputs.building(out, "export", weights.step) as staging:
         staging.mkdir()
         bar = progress_bar(range(len(weights.entries)), desc="export", unit="tensor")
         shards = {
@@ -127,10 +125,6 @@ def export(
             }
             (staging / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         auxfiles.copy_out(objects, files, staging, weights.step)
-        outputs.mark(staging, "export", weights.step)
-        outputs.swap_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return ExportReport(
         path=out, step=weights.step, dtype=str(dtype).removeprefix("torch."), tensors=len(layout),
         bytes=split.metadata["total_size"], weight_files=list(split.filename_to_tensors),

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import resource
-import shutil
 from collections.abc import Collection
 from pathlib import Path
 
@@ -59,14 +58,9 @@ def materialize(
     check_tag(tag, files)
     tensors = step_reader(objects, catalog, step, description, sources, readahead=True)
 
-    staging = outputs.staging_dir(out)
-    try:
+    with outputs.building(out, "materialize", step) as staging:
         write_checkpoint(description, tensors, staging, tag, world_size)
         auxfiles.copy_out(objects, files, staging, step, allow_pickle=allow_pickle)
-        outputs.mark(staging, "materialize", step)
-        outputs.swap_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

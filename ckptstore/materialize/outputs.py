@@ -103,6 +103,20 @@ def staging_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
 
 
+@contextlib.contextmanager
+def building(out: Path, verb: str, step: int) -> Iterator[Path]:
+    """A staging directory's path for ``out`` (not yet created): when the block ends without
+    an error it is marked (``mark``) and renamed into place (``swap_into_place``); it is
+    removed whatever happens, so ``out`` only ever appears complete."""
+    staging = staging_dir(out)
+    try:
+        yield staging
+        mark(staging, verb, step)
+        swap_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def mark(folder: Path, verb: str, step: int) -> None:
     """Write ``MARKER`` into ``folder`` (the staging directory, before it is renamed into place)."""
     (folder / MARKER).write_text(json.dumps({"written_by": f"ckptstore {verb}", "step": step}) + "\n")

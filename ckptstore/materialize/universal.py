@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -63,14 +62,9 @@ def materialize_universal(
     check_reachable(description, step)
     out = outputs.check_out(out, force=force, store_root=getattr(objects, "root", None), verb="materialize")
     tensors = step_reader(objects, catalog, step, description)
-    staging = outputs.staging_dir(out)
-    try:
+    with outputs.building(out, "materialize", step) as staging:
         write_universal(description, tensors, staging / tag_of(step))
         (staging / LATEST).write_text(tag_of(step))
-        outputs.mark(staging, "materialize", step)
-        outputs.swap_into_place(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

@@ -8,7 +8,6 @@ folder the way materialize and export do (built beside it, renamed into place).
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,7 @@ def write(store: Any, out: str | os.PathLike, figures: Figures, *, force: bool =
     replaces only a folder ckptstore wrote); it appears only complete. UnsupportedError
     without matplotlib, StorageError when ``out`` cannot be written."""
     path = outputs.check_out(out, force=force, store_root=getattr(store.objects, "root", None), verb="report")
-    with outputs.writing(path, "report"):
-        staging = outputs.staging_dir(path)
-        try:
-            staging.mkdir()
-            charts.draw(figures, staging)
-            outputs.mark(staging, "report", figures.steps[-1])
-            outputs.swap_into_place(staging, path)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    with outputs.writing(path, "report"), outputs.building(path, "report", figures.steps[-1]) as staging:
+        staging.mkdir()
+        charts.draw(figures, staging)
     return path
