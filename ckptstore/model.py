@@ -152,6 +152,8 @@ class StepRow:
     resumable: bool = True
     # name -> value recorded with the step (commit(metrics=...)); None where it was not finite
     metrics: dict[str, float | None] = field(default_factory=dict)
+    # seconds the commit took (its manifest's ``seconds``); None for steps recorded before that
+    commit_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,9 @@ class StepRecord:
     weights_only: bool = False
     # A step committed again after a deletion: the generation deleted (``format.deletions``)
     supersedes: int | None = None
+    # Seconds from sampling the engine to the record (snapshot, encode, hash, writing the
+    # packs), as the committing machine measured them; None in manifests written before.
+    seconds: float | None = None
 
     @property
     def front_door(self) -> str:

@@ -10,6 +10,8 @@ import pytest
 
 import ckptstore
 from ckptstore.errors import BadInputError, NotFoundError
+from ckptstore.format import layout, manifest
+from ckptstore.report import charts
 from ckptstore.strategies import Parity
 from tools.engines import batches, build_engine, train
 
@@ -50,12 +52,33 @@ def test_the_figures_are_the_catalogs_and_mark_exactly_the_layers_each_step_save
     assert any(not all(row) for row in figures.saved[1:])  # the strategy saved only some layers
 
 
+def test_each_commits_duration_is_the_one_its_manifest_records(store):
+    figures = store.report()
+    for step, seconds in zip(figures.steps, figures.commit_seconds, strict=True):
+        written = manifest.decode(store.objects.get(layout.manifest_name(step, 0)))
+        assert seconds is not None and seconds > 0 and seconds == written.seconds
+    assert figures.upload_seconds == [None] * len(STEPS)  # no local tier, nothing uploaded
+
+
+@pytest.mark.parametrize("seconds", [-1, 1e9, "3", True, float("nan")])
+def test_a_manifest_whose_duration_is_no_duration_is_corrupt(seconds):
+    from ckptstore.errors import CorruptError
+    from ckptstore.model import StepRecord
+
+    record = StepRecord(
+        step=1, created_at="t", world_size=1, description="{}", layer_sources={}, tensors=[], blobs=[]
+    )
+    data = json.dumps({"version": 1, **manifest._body(record), "seconds": seconds}).encode()
+    with pytest.raises(CorruptError, match="seconds"):
+        manifest.decode(data)
+
+
 def test_report_writes_png_charts_and_a_page_with_the_numbers(store, tmp_path, run):
     result = run("--store", store.objects.uri, "report", "--steps", "3..9", tmp_path / "report")
     assert result.returncode == 0, result
     assert "reported steps 3 to 9" in result.stdout
     folder = tmp_path / "report"
-    for name in ("updates.png", "bytes.png", "cumulative.png"):
+    for name in charts.CHARTS:
         picture = imread(folder / name)  # a PNG that decodes
         height, width = picture.shape[:2]
         assert 200 <= width <= 3000 and 200 <= height <= 4000, (name, picture.shape)

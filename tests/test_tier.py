@@ -191,6 +191,20 @@ def test_the_committing_node_reads_an_uploaded_step_from_its_tier_not_from_s3(s3
     store.close()
 
 
+def test_the_report_shows_how_long_each_upload_from_the_tier_took(s3, node, engine):
+    nvme = node("a")
+    with ckptstore.open(s3.uri(), local=nvme, local_upload="drain", local_keep=3) as store:
+        for step in (1, 2, 3):
+            train(engine, DATA[:1])
+            store.commit(engine, step)
+        assert store.report().upload_seconds == [None, None, None]  # not uploaded yet
+        store.drain()
+        (nvme / "tier" / "uploaded" / f"{3:012d}").write_bytes(b"")  # as older ckptstores marked it
+        figures = store.report()
+    assert all(seconds > 0 for seconds in figures.upload_seconds[:2]) and figures.upload_seconds[2] is None
+    assert all(seconds > 0 for seconds in figures.commit_seconds)
+
+
 def test_local_keep_holds_about_two_steps_locally_while_s3_holds_all_five(s3, node, engine):
     nvme = node("a")
     store = ckptstore.open(s3.uri(), local=nvme, local_keep=2, local_upload="drain")

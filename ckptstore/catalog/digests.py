@@ -62,7 +62,7 @@ def record_parts(record: StepRecord) -> Parts:
         )
         units[layer] = (pack, tensors.get((source, layer), []))
     return _parts(
-        [record.created_at, record.world_size, record.description, int(record.weights_only)],
+        [record.created_at, record.world_size, record.description, int(record.weights_only), record.seconds],
         [
             [layer, source, *record.updates.get(layer, (None, None))]
             for layer, source in record.layer_sources.items()
@@ -77,7 +77,8 @@ def row_parts(db, step: int, memo: dict[tuple[int, str], bytes] | None = None) -
     """The parts of the rows the catalog ``db`` holds for ``step`` (None if it holds no step
     row). ``memo`` keeps each layer index's digest by (source step, layer) across calls."""
     row = db.execute(
-        "SELECT created_at, world_size, description, weights_only FROM steps WHERE step = ?", [step]
+        "SELECT created_at, world_size, description, weights_only, commit_seconds FROM steps WHERE step = ?",
+        [step],
     ).fetchone()
     if row is None:
         return None
@@ -106,7 +107,7 @@ def row_parts(db, step: int, memo: dict[tuple[int, str], bytes] | None = None) -
             unit = tuple(unit)
             memo[unit] = _unit_digest(packs.get(unit), tensors.get(unit, []))
     return _parts(
-        list(row[:3]) + [int(row[3])],
+        [*row[:3], int(row[3]), row[4]],
         [list(layer) for layer in layers],
         db.execute("SELECT path, key, size FROM files WHERE step = ?", [step]).fetchall(),
         db.execute("SELECT name, value FROM metrics WHERE step = ?", [step]).fetchall(),
@@ -124,7 +125,7 @@ def differences(expected: Parts, found: Parts) -> list[str]:
 def _parts(
     step: list, layers: Iterable, files: Iterable, metrics: Iterable, units: dict, *, hashed: bool = False
 ) -> Parts:
-    created_at, world_size, description, weights_only = step
+    created_at, world_size, description, weights_only, seconds = step
     parts = {
         "the description": description.encode(),
         "the creation time": _json(created_at),
@@ -135,6 +136,8 @@ def _parts(
         "the auxiliary files": _json(sorted([list(f) for f in files])),
         "the metrics": _json(sorted([name, _number(value)] for name, value in metrics)),
     }
+    if seconds is not None:  # a part only where recorded: older steps' digests stay as they were
+        parts["the commit duration"] = _json(_number(seconds))
     for layer, unit in units.items():
         parts[f"layer {layer}'s stored index"] = unit if hashed else _unit_digest(*unit)
     return parts

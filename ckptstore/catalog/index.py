@@ -264,6 +264,7 @@ class Catalog(StepQueries, LayerPackQueries, ReferenceQueries, MetricQueries, We
                     "bytes_added": bytes_added,
                     "blobs_added": blobs_added,
                     "weights_only": record.weights_only,
+                    "commit_seconds": record.seconds,
                     "generation": generation,
                     "rows_digest": digests.of_parts(
                         digests.record_parts(record), step, generation, self.content_hash

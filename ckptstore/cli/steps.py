@@ -118,8 +118,8 @@ def report(ctx: click.Context, steps: str | None, as_json: bool, force: bool, ou
     """Draw what the store saw into folder OUT: PNG charts and an index.html with the numbers.
 
     A heatmap of each layer's update at each step (x: the layers that step saved), logical
-    vs stored bytes per step and cumulative, and the dedup ratio; figures.json holds the
-    numbers. The charts need matplotlib (pip install 'ckptstore[report]'); --json prints the
+    vs stored bytes per step and cumulative, the dedup ratio, and the seconds each commit
+    and (through a local tier) each upload took; figures.json holds the numbers. The charts need matplotlib (pip install 'ckptstore[report]'); --json prints the
     figures without it.
 
     Example: ckptstore --store runs/store report --steps 100..900 runs/report

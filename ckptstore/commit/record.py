@@ -55,11 +55,13 @@ def build_record(
     files: list[FileRow],
     created: dict[str, int],
     metrics: dict[str, float | None] | None = None,
+    seconds: float | None = None,
 ) -> StepRecord:
     """The step's record: the pack indexes of the layers it saved (``packs``) plus, from the
     catalog, what every layer it inherits is stored as (pack indexes, or tensor rows and blob
     sizes where a format-1 step saved it), so that the record stands alone. ``created``: the
-    packs this commit added to the store (key -> stored size)."""
+    packs this commit added to the store (key -> stored size); ``seconds``: how long the commit
+    took up to now (kept to the microsecond, as the manifest keeps it)."""
     packs = dict(packs)
     inherited = []
     for source, layers in layers_by_source(layer_sources).items():
@@ -80,6 +82,7 @@ def build_record(
         files=files,
         added=(len(created), sum(created.values())),
         metrics=metrics or {},
+        seconds=None if seconds is None else round(seconds, 6),
     )
 
 

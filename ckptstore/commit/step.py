@@ -10,6 +10,7 @@ all of it: a concurrent gc (exclusive) runs wholly before or wholly after the co
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +142,7 @@ def commit_step(
     rank, if another writer committed the step first (its objects are left as they are).
     """
     what = f"commit of step {step}"
+    started = time.monotonic()
     own = _RankCommit(objects, catalog, step, background)
 
     def sample() -> Any:
@@ -161,7 +163,7 @@ def commit_step(
             step_record = build_record(
                 catalog, step, shares[0].world_size, shares[0].description, plan.layer_sources,
                 _layer_indexes(step, plan.saved, shares), plan.updates, own.step_files(shares), created,
-                own.metrics,
+                own.metrics, time.monotonic() - started,
             )  # fmt: skip
             return publish(objects, catalog, step_record, samples=own.samples)
 

@@ -15,6 +15,7 @@ import dataclasses
 import io
 import json
 import math
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -89,6 +90,7 @@ class StoreWriter(StorageWriter):
         self.rank = 0
         self._paths: dict[str, tuple] = {}
         self._save_id = uuid.uuid4().hex
+        self._started = time.monotonic()
         tier = getattr(store, "tier", None)
         if tier is not None and tier.replicas:
             ranks.use_commit_group()  # here, on every rank's main thread: async_save writes on another
@@ -112,6 +114,7 @@ class StoreWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Check that the step can be committed, on every rank before anything is written."""
         self.is_coordinator = is_coordinator
+        self._started = time.monotonic()  # the save's duration, recorded with the step
         self.rank = kwargs.get("rank") if kwargs.get("rank") is not None else ranks.world()[0]
         with self.store.objects.local_only():  # through a local tier: never the store behind it
             check_new_step(self.store.catalog, self.step)
@@ -254,6 +257,7 @@ class StoreWriter(StorageWriter):
                 [],
                 created,
                 self.metrics,
+                time.monotonic() - self._started,
             )
             publish(objects, catalog, record, samples={})
 

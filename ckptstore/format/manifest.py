@@ -74,6 +74,8 @@ def _body(record: StepRecord) -> dict:
         body["weights_only"] = True
     if record.supersedes is not None:
         body["supersedes"] = record.supersedes
+    if record.seconds is not None:
+        body["seconds"] = round(record.seconds, 6)
     return body
 
 
@@ -213,4 +215,18 @@ def _record(body: dict, indexes: bytes, lazy: bool = False) -> StepRecord:
         },
         weights_only=body.get("weights_only") is True,
         supersedes=None if body.get("supersedes") is None else int(body["supersedes"]),
+        seconds=_seconds(body.get("seconds")),
     )
+
+
+# A commit's duration above this (about three years) is no measurement but damage.
+_MAX_SECONDS = 1e8
+
+
+def _seconds(value: object) -> float | None:
+    """A manifest's ``seconds``: None, or a finite duration from 0 to ``_MAX_SECONDS``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= _MAX_SECONDS:
+        raise CorruptError(f"malformed manifest: seconds is {str(value)[:40]!r}, not a duration")
+    return float(value)

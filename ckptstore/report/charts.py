@@ -19,6 +19,7 @@ CHARTS = {
     "updates.png": "Update magnitude of each layer at each step (x: saved by that step)",
     "bytes.png": "Logical and stored bytes per step",
     "cumulative.png": "Logical and stored bytes, cumulative",
+    "durations.png": "Seconds each commit took, and its upload from the local tier",
 }
 
 
@@ -43,6 +44,7 @@ def draw(figures: Figures, folder: Path) -> list[Path]:
         ("updates.png", _updates),
         ("bytes.png", _bytes),
         ("cumulative.png", _cumulative),
+        ("durations.png", _durations),
     ):
         chart = figure_class(figsize=_size(name, figures), dpi=100, layout="constrained")
         canvas_class(chart)
@@ -79,17 +81,10 @@ def _updates(chart, figures: Figures) -> None:
 
 
 def _bytes(chart, figures: Figures) -> None:
-    axes = chart.add_subplot()
-    positions = range(len(figures.steps))
-    axes.bar(
-        [p - 0.2 for p in positions], _mib(figures.logical_bytes), width=0.4, label="logical (uncompressed)"
-    )
-    axes.bar([p + 0.2 for p in positions], _mib(figures.stored_bytes), width=0.4, label="stored (added)")
-    axes.set_xticks(list(positions), [str(step) for step in figures.steps], rotation=90)
-    axes.set_xlabel("step")
-    axes.set_ylabel("MiB")
-    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    axes.set_title(CHARTS["bytes.png"])
+    _paired_bars(
+        chart, figures, "bytes.png", "MiB",
+        ("logical (uncompressed)", _mib(figures.logical_bytes)), ("stored (added)", _mib(figures.stored_bytes)),
+    )  # fmt: skip
 
 
 def _cumulative(chart, figures: Figures) -> None:
@@ -103,6 +98,35 @@ def _cumulative(chart, figures: Figures) -> None:
     axes.set_title(f"{CHARTS['cumulative.png']} (logical / stored: {ratio})")
 
 
+def _durations(chart, figures: Figures) -> None:
+    # A step without a figure (recorded before it was kept, or not uploaded) has no bar.
+    _paired_bars(
+        chart, figures, "durations.png", "seconds",
+        ("commit", _or_nan(figures.commit_seconds)), ("upload", _or_nan(figures.upload_seconds)),
+    )  # fmt: skip
+
+
+def _paired_bars(chart, figures: Figures, name: str, unit: str, *series: tuple[str, list[float]]) -> None:
+    """Two bars per step, side by side, with a legend outside the plot."""
+    axes = chart.add_subplot()
+    positions = range(len(figures.steps))
+    for shift, (label, values) in zip((-0.2, 0.2), series, strict=True):
+        axes.bar([p + shift for p in positions], values, width=0.4, label=label)
+    axes.set_xticks(list(positions), [str(step) for step in figures.steps], rotation=90)
+    axes.set_xlabel("step")
+    axes.set_ylabel(unit)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes.set_title(CHARTS[name])
+
+
+def _or_nan(values: list[float | None]) -> list[float]:
+    return [float("nan") if value is None else value for value in values]
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _mib(values: list[int]) -> list[float]:
     """Bytes in MiB, the unit ``ckptstore log`` and ``show`` print."""
     return [value / 2**20 for value in values]
@@ -113,10 +137,10 @@ def _page(figures: Figures) -> str:
     ratio = "-" if figures.dedup_ratio is None else f"{figures.dedup_ratio:.2f}x"
     rows = "".join(
         f"<tr><td>{step}</td><td>{sum(saved)} of {len(saved)}</td><td>{logical}</td><td>{stored}</td>"
-        f"<td>{total_stored}</td></tr>"
-        for step, saved, logical, stored, total_stored in zip(
+        f"<td>{total_stored}</td><td>{_seconds(commit)}</td><td>{_seconds(upload)}</td></tr>"
+        for step, saved, logical, stored, total_stored, commit, upload in zip(
             figures.steps, figures.saved, figures.logical_bytes, figures.stored_bytes,
-            figures.cumulative_stored_bytes, strict=True,
+            figures.cumulative_stored_bytes, figures.commit_seconds, figures.upload_seconds, strict=True,
         )
     )  # fmt: skip
     images = "".join(
@@ -129,6 +153,6 @@ def _page(figures: Figures) -> str:
         f"<p>{len(figures.steps)} steps, {len(figures.layers)} layers; logical / stored bytes: {ratio}. "
         'The numbers are in <a href="figures.json">figures.json</a>.</p>'
         f'{images}<h2>Per step</h2><table border="1"><tr><th>step</th><th>layers saved</th>'
-        f"<th>logical bytes</th><th>stored bytes added</th><th>stored, cumulative</th></tr>{rows}</table>"
+        f"<th>logical bytes</th><th>stored bytes added</th><th>stored, cumulative</th><th>commit seconds</th><th>upload seconds</th></tr>{rows}</table>"
         "</body></html>\n"
     )

@@ -4,7 +4,9 @@ For each step in the range: every layer's update magnitude measured at that comm
 statistic layer-wise tailoring selects by, ``commit.stats``) and whether the step saved the
 layer or inherited it; the logical bytes of the step (what its tensors take uncompressed,
 saved or inherited), the bytes it added to the store and both running totals; and the dedup
-ratio (logical over stored). ``Figures.as_json`` is what ``ckptstore report --json`` prints
+ratio (logical over stored); how long each commit took (recorded in its manifest) and, through
+a local tier, how long its upload to the store behind took (recorded in the tier's mark of it).
+``Figures.as_json`` is what ``ckptstore report --json`` prints
 and what the charts draw (``report.charts``).
 """
 
@@ -23,6 +25,10 @@ class Figures:
 
     ``updates[i][j]``: layer ``layers[j]``'s update measured at ``steps[i]`` (None where none
     could be measured); ``saved[i][j]``: whether ``steps[i]`` saved that layer itself.
+    ``commit_seconds[i]``: how long the commit of ``steps[i]`` took, None where its manifest
+    predates the figure; ``upload_seconds[i]``: how long this node's local tier took to upload
+    it, None without a tier, where it has not (or not here) uploaded it, or where the tier no
+    longer holds the step (``local_keep``).
     """
 
     steps: list[int]
@@ -34,6 +40,8 @@ class Figures:
     cumulative_logical_bytes: list[int]
     cumulative_stored_bytes: list[int]
     dedup_ratio: float | None
+    commit_seconds: list[float | None]
+    upload_seconds: list[float | None]
 
     def as_json(self) -> dict[str, Any]:
         """The figures as JSON-compatible data."""
@@ -78,6 +86,7 @@ def gather(store: Any, low: int | None = None, high: int | None = None) -> Figur
         saved.append([name in by_name and by_name[name].source == row.step for name in layers])
         logical.append(sum(layer.raw_bytes for layer in by_name.values()))
     stored = [row.bytes_added for row in rows]
+    uploads = _uploads(store, [row.step for row in rows])
     total_logical, total_stored = list(accumulate(logical)), list(accumulate(stored))
     return Figures(
         steps=[row.step for row in rows],
@@ -89,7 +98,17 @@ def gather(store: Any, low: int | None = None, high: int | None = None) -> Figur
         cumulative_logical_bytes=total_logical,
         cumulative_stored_bytes=total_stored,
         dedup_ratio=total_logical[-1] / total_stored[-1] if total_stored[-1] else None,
+        commit_seconds=[row.commit_seconds for row in rows],
+        upload_seconds=[uploads[row.step][0] if row.step in uploads else None for row in rows],
     )
+
+
+def _uploads(store: Any, steps: list[int]) -> dict[int, tuple[float, int]]:
+    """The upload figures the store's local tier keeps of ``steps`` (none without a tier)."""
+    from ..tier.upload import upload_figures
+
+    tier = getattr(store, "tier", None)
+    return upload_figures(tier.local, steps) if tier is not None else {}
 
 
 def _layer_order(name: str) -> tuple:

@@ -7,7 +7,8 @@ tier with a create-only write. A step whose upload broke off is simply uploaded 
 objects already there are found, and the manifest was never written.
 
 The local tier remembers which steps it uploaded (``tier/uploaded/<step>``), so a step a gc
-later dropped from the remote is never uploaded a second time.
+later dropped from the remote is never uploaded a second time; the mark holds how long the
+upload took and the bytes it copied (``upload_figures``), which ``ckptstore report`` charts.
 
 In a job of several ranks each rank uploads its own share of a step (the packs and files its
 commit wrote, listed in the tier by ``TieredObjectStore.note_share``), so that no pack goes up
@@ -18,6 +19,7 @@ up from a node that has it once every object it names is in the remote.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -156,6 +158,7 @@ def upload_step(
     commit of ``step``, and what the object stores raise (StorageError when the remote cannot
     be reached): nothing is published then, and uploading again later goes on from there.
     """
+    started = time.monotonic()
     record = read_local_manifest(local, step)
     generation = layout.generations_of(local, step)[-1]
     report = StepUpload(step)
@@ -177,8 +180,36 @@ def upload_step(
             f"step {step} of this node's tier cannot be uploaded: {remote.uri} has another commit of "
             f"step {step}; the local one stays in the tier (materialize it with local=, or delete it there)"
         )
-    local.put_if_absent(uploaded_name(step), b"")
+    figures = {"seconds": round(time.monotonic() - started, 6), "bytes": report.bytes_copied}
+    local.put_if_absent(uploaded_name(step), json.dumps(figures, sort_keys=True).encode())
     return report
+
+
+# A mark is a few dozen bytes; one larger is not a mark this code wrote.
+_MARK_BYTES = 256
+
+
+def upload_figures(local: ObjectStore, steps: list[int]) -> dict[int, tuple[float, int]]:
+    """The steps of ``steps`` this local tier uploaded with its figures in the mark: step ->
+    (seconds the upload took, bytes it copied). Marks written before the figures were kept, or
+    that are not what this code writes (damage), are left out: the figures are for a report."""
+    done = uploaded_steps(local)
+    figures = {}
+    for step in steps:
+        if step not in done:
+            continue
+        try:
+            data = local.get_range(uploaded_name(step), 0, _MARK_BYTES + 1)
+            mark = json.loads(bytes(data)) if 0 < len(data) <= _MARK_BYTES else None
+        except (NotFoundError, ValueError, UnicodeDecodeError):
+            continue
+        seconds, copied = (mark.get("seconds"), mark.get("bytes")) if isinstance(mark, dict) else (None, None)
+        if (
+            isinstance(seconds, int | float) and not isinstance(seconds, bool) and 0 <= seconds < 1e8
+            and isinstance(copied, int) and not isinstance(copied, bool) and copied >= 0
+        ):  # fmt: skip
+            figures[step] = (float(seconds), copied)
+    return figures
 
 
 def _copy_all(
