@@ -31,6 +31,7 @@ logical model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,19 @@ import torch.distributed as dist
 
 ORIGINAL_VOCAB = 49  # odd on purpose: padded to 50 at TP 1, 52 at TP 2
 HIDDEN, HEADS, FFN = 32, 4, 64
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The model's sizes: the tests' toy by default; ``tools/bench_megatron3d.py`` makes it larger."""
+
+    hidden: int = HIDDEN
+    heads: int = HEADS
+    ffn: int = FFN
+    vocab: int = ORIGINAL_VOCAB
+
+
+TOY = Dims()
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 2) -> int:
@@ -174,17 +188,18 @@ class ParallelAttention(torch.nn.Module):
     """Causal self-attention: the fused ``query_key_value`` laid out per head (q, k, v of head 0,
     then of head 1, ...) and split by heads, ``dense`` split by its input columns."""
 
-    def __init__(self, tp: TensorParallel, generator: torch.Generator) -> None:
+    def __init__(self, tp: TensorParallel, generator: torch.Generator, dims: Dims = TOY) -> None:
         super().__init__()
-        self.tp, self.heads = tp, HEADS // tp.size
-        self.head_dim = HIDDEN // HEADS
-        per_rank = 3 * HIDDEN // tp.size
+        hidden = dims.hidden
+        self.tp, self.heads = tp, dims.heads // tp.size
+        self.head_dim = hidden // dims.heads
+        per_rank = 3 * hidden // tp.size
         own = slice(tp.rank * per_rank, (tp.rank + 1) * per_rank)
         self.query_key_value = _Linear(
-            _full(generator, 3 * HIDDEN, HIDDEN), _full(generator, 3 * HIDDEN), rows=own
+            _full(generator, 3 * hidden, hidden), _full(generator, 3 * hidden), rows=own
         )
-        cols = slice(tp.rank * HIDDEN // tp.size, (tp.rank + 1) * HIDDEN // tp.size)
-        self.dense = _Linear(_full(generator, HIDDEN, HIDDEN), _full(generator, HIDDEN), cols=cols)
+        cols = slice(tp.rank * hidden // tp.size, (tp.rank + 1) * hidden // tp.size)
+        self.dense = _Linear(_full(generator, hidden, hidden), _full(generator, hidden), cols=cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -201,17 +216,18 @@ class ParallelMLP(torch.nn.Module):
     """SwiGLU: ``dense_h_to_4h`` is the gate and the up projection, each split by rows, this
     rank's slice ``[gate_r; up_r]``; ``dense_4h_to_h`` split by its input columns."""
 
-    def __init__(self, tp: TensorParallel, generator: torch.Generator) -> None:
+    def __init__(self, tp: TensorParallel, generator: torch.Generator, dims: Dims = TOY) -> None:
         super().__init__()
         self.tp = tp
-        share = FFN // tp.size
-        gate_up, gate_up_bias = _full(generator, 2 * FFN, HIDDEN), _full(generator, 2 * FFN)
+        ffn, hidden = dims.ffn, dims.hidden
+        share = ffn // tp.size
+        gate_up, gate_up_bias = _full(generator, 2 * ffn, hidden), _full(generator, 2 * ffn)
         own = torch.cat(
-            [torch.arange(tp.rank * share, (tp.rank + 1) * share) + half * FFN for half in (0, 1)]
+            [torch.arange(tp.rank * share, (tp.rank + 1) * share) + half * ffn for half in (0, 1)]
         )
         self.dense_h_to_4h = _Linear(gate_up, gate_up_bias, rows=own)
         cols = slice(tp.rank * share, (tp.rank + 1) * share)
-        self.dense_4h_to_h = _Linear(_full(generator, HIDDEN, FFN), _full(generator, HIDDEN), cols=cols)
+        self.dense_4h_to_h = _Linear(_full(generator, hidden, ffn), _full(generator, hidden), cols=cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         both = torch.nn.functional.linear(_CopyToTensorParallel.apply(x, self.tp), self.dense_h_to_4h.weight,
@@ -221,11 +237,11 @@ class ParallelMLP(torch.nn.Module):
         return _ReduceFromTensorParallel.apply(partial, self.tp) + self.dense_4h_to_h.bias
 
 
-def _layer_norm(generator: torch.Generator) -> torch.nn.LayerNorm:
-    norm = torch.nn.LayerNorm(HIDDEN)
+def _layer_norm(generator: torch.Generator, hidden: int) -> torch.nn.LayerNorm:
+    norm = torch.nn.LayerNorm(hidden)
     with torch.no_grad():
-        norm.weight.add_(_full(generator, HIDDEN))
-        norm.bias.copy_(_full(generator, HIDDEN))
+        norm.weight.add_(_full(generator, hidden))
+        norm.bias.copy_(_full(generator, hidden))
     return norm
 
 
@@ -233,13 +249,13 @@ class ParallelTransformerLayerPipe(torch.nn.Module):
     """A pre-norm transformer block, named as Megatron's (``partition_method="type:transformer"``
     finds it by its class name)."""
 
-    def __init__(self, tp: TensorParallel, seed: int, layer_number: int) -> None:
+    def __init__(self, tp: TensorParallel, seed: int, layer_number: int, dims: Dims = TOY) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(seed * 1000 + 2 + layer_number)
-        self.input_layernorm = _layer_norm(generator)
-        self.self_attention = ParallelAttention(tp, generator)
-        self.post_attention_layernorm = _layer_norm(generator)
-        self.mlp = ParallelMLP(tp, generator)
+        self.input_layernorm = _layer_norm(generator, dims.hidden)
+        self.self_attention = ParallelAttention(tp, generator, dims)
+        self.post_attention_layernorm = _layer_norm(generator, dims.hidden)
+        self.mlp = ParallelMLP(tp, generator, dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attention(self.input_layernorm(x))
@@ -251,15 +267,16 @@ class EmbeddingPipe(torch.nn.Module):
     start at zero, as a universal load fills them); a token another rank holds looks up zero
     here, and the ranks' lookups are summed."""
 
-    def __init__(self, tp: TensorParallel, seed: int, vocab: int = ORIGINAL_VOCAB) -> None:
+    def __init__(self, tp: TensorParallel, seed: int, dims: Dims = TOY) -> None:
         super().__init__()
         self.tp = tp
         generator = torch.Generator().manual_seed(seed * 1000 + 1)
+        vocab, hidden = dims.vocab, dims.hidden
         padded = padded_vocab_size(vocab, tp.size)
-        full = torch.cat([_full(generator, vocab, HIDDEN), torch.zeros(padded - vocab, HIDDEN)])
+        full = torch.cat([_full(generator, vocab, hidden), torch.zeros(padded - vocab, hidden)])
         self.rows = padded // tp.size
         self.first = tp.rank * self.rows
-        self.word_embeddings = torch.nn.Embedding(self.rows, HIDDEN)
+        self.word_embeddings = torch.nn.Embedding(self.rows, hidden)
         with torch.no_grad():
             self.word_embeddings.weight.copy_(full[self.first : self.first + self.rows])
         _mark(self.word_embeddings.weight, 0)
@@ -299,9 +316,10 @@ def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def gpt_model_pipe(pp: int, tp: int, dp: int, seed: int = 0, num_layers: int = 4) -> Any:
+def gpt_model_pipe(pp: int, tp: int, dp: int, seed: int = 0, num_layers: int = 4, dims: Dims = TOY) -> Any:
     """``GPTModelPipe`` over ``pp`` stages of ``tp`` tensor-parallel ranks, ``dp`` copies (the
-    job's world size is their product); every rank of the job calls this, in the same order."""
+    job's world size is their product), of ``num_layers`` blocks of ``dims``; every rank of the
+    job calls this, in the same order."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -312,15 +330,18 @@ def gpt_model_pipe(pp: int, tp: int, dp: int, seed: int = 0, num_layers: int = 4
             embed = dict(tied_weight_attr="word_embeddings_weight")
             specs = [
                 _to_float16,
-                TiedLayerSpec("embed", EmbeddingPipe, parallel, seed, **embed),
-                *[LayerSpec(ParallelTransformerLayerPipe, parallel, seed, n) for n in range(num_layers)],
-                LayerSpec(torch.nn.LayerNorm, HIDDEN),
-                TiedLayerSpec("embed", EmbeddingPipe, parallel, seed, forward_fn=_logits, **embed),
+                TiedLayerSpec("embed", EmbeddingPipe, parallel, seed, dims, **embed),
+                *[
+                    LayerSpec(ParallelTransformerLayerPipe, parallel, seed, n, dims)
+                    for n in range(num_layers)
+                ],
+                LayerSpec(torch.nn.LayerNorm, dims.hidden),
+                TiedLayerSpec("embed", EmbeddingPipe, parallel, seed, dims, forward_fn=_logits, **embed),
                 _float16_to_fp32,
             ]
             super().__init__(layers=specs, loss_fn=_cross_entropy, topology=topology,
                              partition_method="type:transformer")  # fmt: skip
-            self.universal_checkpoint_info = universal_checkpoint_info(tp)
+            self.universal_checkpoint_info = universal_checkpoint_info(tp, dims.vocab)
 
     return GPTModelPipe()
 
@@ -336,14 +357,15 @@ def ds_config(dtype: str = "bf16", zero_stage: int = 1, micro_batches: int = 2, 
 
 
 def build_engine(
-    pp: int, tp: int, dp: int, seed: int = 0, dtype: str = "bf16", zero_stage: int = 1, **extra: Any
-):
+    pp: int, tp: int, dp: int, seed: int = 0, dtype: str = "bf16", zero_stage: int = 1,
+    num_layers: int = 4, dims: Dims = TOY, **extra: Any,
+):  # fmt: skip
     """A DeepSpeed ``PipelineEngine`` of ``gpt_model_pipe``; its ``mpu`` is the topology's grid,
     as in Megatron-DeepSpeed (which passes ``mpu=None`` for a pipeline)."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=None, verbose=False)
-    module = gpt_model_pipe(pp, tp, dp, seed=seed)
+    module = gpt_model_pipe(pp, tp, dp, seed=seed, num_layers=num_layers, dims=dims)
     engine, *_ = deepspeed.initialize(
         model=module,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
@@ -352,12 +374,14 @@ def build_engine(
     return engine
 
 
-def batches(n: int, seed: int = 4321, seq: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    n: int, seed: int = 4321, seq: int = 8, vocab: int = ORIGINAL_VOCAB
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` micro-batches of (input ids, next-token labels) over the original vocabulary."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        tokens = torch.randint(0, ORIGINAL_VOCAB, (2, seq + 1), generator=generator)
+        tokens = torch.randint(0, vocab, (2, seq + 1), generator=generator)
         out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return out
 
