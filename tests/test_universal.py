@@ -77,12 +77,12 @@ def test_universal_materialize_refuses_what_it_does_not_reach_yet(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_universal_materialize_on_the_command_line_writes_latest_universal_and_refuses_a_zero0_step(
+def test_universal_materialize_on_the_command_line_writes_latest_universal_and_refuses_naming_what(
     tmp_path, run
 ):
     store = ckptstore.open(tmp_path / "store", create=True)
-    for step, stage in ((1, 0), (2, 1)):
-        engine = build_engine("llama", zero_stage=stage, dtype="fp32", seed=0, num_layers=1)
+    for step, stage, model in ((1, 0, "llama"), (2, 1, "llama"), (3, 1, "gpt2")):
+        engine = build_engine(model, zero_stage=stage, dtype="fp32", seed=0, num_layers=1)
         train(engine, DATA[:1])
         store.commit(engine, step=step, client_state=CLIENT_STATE)
         destroy_engine(engine)
@@ -97,6 +97,10 @@ def test_universal_materialize_on_the_command_line_writes_latest_universal_and_r
         "--store", tmp_path / "store", "materialize", "--universal", "--step", 1, tmp_path / "zero0"
     )
     assert refused.returncode == 6 and "ZeRO 0" in refused.stderr
+    # GPT-2's lm_head is its embedding: ds_to_universal writes it from the model-states file
+    tied = run("--store", tmp_path / "store", "materialize", "--universal", "--step", 3, tmp_path / "tied")
+    assert tied.returncode == 6 and "lm_head.weight" in tied.stderr, tied.stderr
+    assert not (tmp_path / "tied").exists()
     tagged = run(
         "--store", tmp_path / "store", "materialize", "--universal", "--step", 2, "--tag", "x", tmp_path / "t"
     )
