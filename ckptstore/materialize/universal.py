@@ -20,10 +20,11 @@ Reached: ZeRO-1/2 steps (and bf16's ``BF16_Optimizer``) of any data-parallel siz
 without a pipeline and tensor parallelism (AutoTP, whose ``affine_map`` DeepSpeed's
 ``ParamAffineMap`` applies to the stored slices, Megatron-style patterns, Megatron-DeepSpeed's
 3D). An averaged parameter (``parameter_to_average_patterns``) is stored once, so it equals
-``ds_to_universal``'s average where the ranks' copies are equal. Refused (``UnsupportedError``
-naming it, before anything is written): other optimizers and ZeRO 3, frozen parameters, tied
-parameters or buffers of a model without a pipeline, sub-parameters described as before
-universal checkpoint version 0.4.
+``ds_to_universal``'s average where the ranks' copies are equal. A state-dict entry no
+optimizer group holds (frozen, tied under another name, a buffer) gets ``fp32.pt`` alone from
+the model-states file, as ``ds_to_universal`` writes it. Refused (``UnsupportedError`` naming
+it, before anything is written): other optimizers and ZeRO 3, sub-parameters described as
+before universal checkpoint version 0.4, a vocabulary pattern without ``original_vocab_size``.
 """
 
 from __future__ import annotations
@@ -95,16 +96,6 @@ def check_reachable(description: dict, step: int) -> None:
         name for m in range(parallel.size(description))
         for group in parallel.rank_description(description, m)["groups"] for name in group["params"]
     }  # fmt: skip
-    frozen = sorted(set(description["params"]) - trainable)
-    if frozen:
-        raise UnsupportedError(f"{what}: frozen parameters ({', '.join(frozen)}) are not written yet")
-    if not description.get("model_parallel", {}).get("pipeline", False):
-        # ds_to_universal writes the other entries of a module from its model-states file
-        others = sorted(key for key, _ in description["module_keys"] if key not in description["params"])
-        if others:
-            raise UnsupportedError(
-                f"{what}: tied parameters or buffers ({', '.join(others)}) are not written yet"
-            )
     info = universal_info(description)
     for name in sorted(trainable):
         if merge_kind(info, name) == SUB and legacy_sub_params(info, name):
@@ -240,6 +231,8 @@ def write_universal(description: dict, tensors: TensorSource, folder: Path) -> N
                     torch.save(
                         merged(info, name, writer.params[name], degree, stored, kind), target / f"{kind}.pt"
                     )
+    if not description.get("model_parallel", {}).get("pipeline", False):
+        write_module_entries(writer, tensors, zero)
     # zero/optimizer_state.pt: the first rank's, as DeepSpeedCheckpoint reads it
     osd = optim[0]
     common = {key: value for key, value in osd.items() if key not in _SHARDED}
@@ -254,3 +247,20 @@ def write_universal(description: dict, tensors: TensorSource, folder: Path) -> N
     Filler(writer.holes, tensors, writer.params).fill(
         [(path, save_skeleton(obj, path)) for path, obj in models]
     )
+
+
+def write_module_entries(writer: StepWriter, tensors: TensorSource, zero: Path) -> None:
+    """What ds_to_universal writes for the entries of a model's state dict that no optimizer
+    group holds (a frozen parameter, a tied one under its other name, a buffer): ``fp32.pt``
+    alone, ``{"param": the model-states file's tensor as float}``, each from the first
+    model-parallel rank's file that has it (a frozen tensor-parallel parameter: rank 0's
+    slice, as it reads it). A pipeline's model-states files hold no module: nothing then."""
+    filler = Filler(writer.holes, tensors, writer.params)
+    for rank in writer.writers:
+        missing = {
+            key: tensor for key, tensor in rank.module().items() if not (zero / key / "fp32.pt").exists()
+        }
+        filler.fill_in_memory(filler.in_memory(list(missing.values())), desc="universal")
+        for key, tensor in missing.items():
+            (zero / key).mkdir(parents=True, exist_ok=True)
+            torch.save({"param": tensor.float().clone()}, zero / key / "fp32.pt")
