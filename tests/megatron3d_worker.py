@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.model_parallel_worker import differences, tensors_of  # noqa: E402
+from tests.model_parallel_worker import differences, tensors_of, universal_unlike  # noqa: E402
 from tools import megatron_gpt  # noqa: E402
 from tools.engines import destroy_engine, setup_single_process_env  # noqa: E402
 
@@ -109,6 +109,18 @@ def same_file(one: Path, other: Path) -> bool:
     )
 
 
+def universal_from_store(root: Path, store) -> dict:
+    """``store.materialize(2, universal=True)`` beside ``ds_to_universal`` of DeepSpeed's own
+    save of the same state: its files, and those that differ from it (or only one has)."""
+    out = store.materialize(2, root / "universal-materialized", universal=True)
+    ours = out / f"{TAG}_universal"
+    return {
+        "files": sorted(str(path.relative_to(ours)) for path in ours.rglob("*") if path.is_file()),
+        "latest": (out / "latest_universal").read_text(),
+        "differences": universal_unlike(ours, root / "universal" / TAG),
+    }
+
+
 def composite(root: Path, store) -> dict:
     """The composite step 4 (block ``BLOCK`` saved, the rest inherited from step 2): its
     sources, verify, and its materialize's layer files, each compared with DeepSpeed's own
@@ -137,7 +149,7 @@ def resumed(
     resave: Path | None = None,
     store=None,
     refused_by=None,
-    tag: str = TAG,
+    tag: str | None = TAG,
     data: list = DATA[4:8],
 ) -> dict:
     """A fresh engine of ``layout`` (another seed: nothing of its own survives a load) loaded
@@ -207,6 +219,8 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         store.materialize(2, root / "materialized")
         run["materialized_differences"] = differences(root / "materialized" / TAG, saved / TAG)
         run["exported"] = exported(store, root / "exported", root / "universal" / TAG)
+        note(f"{layout} materialize --universal")
+        run["universal_from_store"] = universal_from_store(root, store)
         if layout == (2, 2, 1):
             note(f"{layout} composite")
             run["composite"] = composite(root, store)
@@ -232,6 +246,11 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         "x".join(map(str, target)): resumed(target, root / "universal", universal=True, refused_by=store)
         for target in targets
     }
+    if layout == (2, 2, 1):  # and load_universal of the store's own universal checkpoint of it
+        note(f"{layout} universal from the store resumed")
+        run["universal_from_store_resumed"] = resumed(
+            (2, 1, 2), root / "universal-materialized", universal=True, tag=None
+        )  # tag None: the folder latest_universal names
     return run
 
 

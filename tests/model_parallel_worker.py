@@ -297,6 +297,21 @@ def universal_differences(ours: Path, theirs: Path) -> list[str]:
     return wrong if mine else ["no zero/ folder"]
 
 
+def universal_unlike(ours: Path, theirs: Path) -> list[str]:
+    """Every file of two universal checkpoint folders (``zero/<name>/<kind>.pt``,
+    ``zero/optimizer_state.pt``, the model-states files) that only one has or whose loaded
+    objects differ (``same``)."""
+    files = [
+        {str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()}
+        for folder in (ours, theirs)
+    ]
+    wrong = sorted(files[0] ^ files[1])
+    for path in sorted(files[0] & files[1]):
+        if not same(*(torch.load(folder / path, weights_only=False) for folder in (ours, theirs))):
+            wrong.append(path)
+    return wrong if files[0] else ["no files"]
+
+
 MODES = {
     "pipeline": pipeline,
     "reshard": reshard,

@@ -228,3 +228,37 @@ def test_restoring_a_3d_step_into_another_layout_or_into_3d_from_another_is_refu
         assert refusal["error"] == "UnsupportedError"
         assert "restoring a pipeline with tensor-parallel stages into another layout" in refusal["message"]
         assert "error" not in run and all(math.isfinite(loss) for loss in run["losses"])
+
+
+@pytest.mark.parametrize("layout", ["2x2x1", "2x1x2"])
+def test_materialize_universal_of_a_3d_step_is_ds_to_universal_of_deepspeeds_save_file_for_file(
+    observed, layout
+):
+    # store.materialize(2, out, universal=True) of the commit beside ds_to_universal of
+    # save_checkpoint's files of the same state: the same files, every loaded object equal
+    # (tensors bit for bit, and the keys beside each param: cat_dim, param_n_sub_params,
+    # vocab_tensor), the model-states files as ds_to_universal copies them, no layer file
+    seen = observed[0][layout]["universal_from_store"]
+    assert seen["latest"] == "global_step2_universal"
+    assert seen["differences"] == []
+    names = {
+        path.split("/")[1] for path in seen["files"] if path.startswith("zero/") and path.count("/") == 2
+    }
+    assert names == set(observed[0][layout]["universal"])
+    for kind in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+        assert f"zero/tied_modules.embed.word_embeddings.weight/{kind}.pt" in seen["files"]
+    assert {"zero/optimizer_state.pt", "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(
+        seen["files"]
+    )
+    assert [path for path in seen["files"] if path.startswith("layer_")] == []
+
+
+def test_load_universal_of_the_stores_universal_checkpoint_of_a_3d_step_trains_as_ds_to_universals(observed):
+    # PP 2 x TP 2 into PP 2 x TP 1 x DP 2 (another padded vocabulary): the same losses as
+    # load_universal of ds_to_universal's output into the same layout
+    for rank in observed:
+        run = rank["2x2x1"]
+        ours = run["universal_from_store_resumed"]
+        assert "error" not in ours, ours.get("traceback")
+        assert ours["global_steps"] == 2
+        assert ours["losses"] == run["universal_resumed"]["2x1x2"]["losses"]

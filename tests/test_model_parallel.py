@@ -26,6 +26,8 @@ from tools.engines import (
 )
 
 WORKER = Path(__file__).with_name("model_parallel_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+from model_parallel_worker import universal_unlike  # noqa: E402
 
 
 def torchrun(mode: str, root: Path, nproc: int = 2) -> list[dict]:
@@ -235,6 +237,23 @@ def test_a_tensor_parallel_step_restored_into_another_degree_equals_deepspeeds_u
     for rank in observed:
         for config, run in rank[kind]["reshard"].items():
             assert run["losses"]["restore"] == run["losses"]["universal"], config
+
+
+@pytest.mark.parametrize("kind", ["autotp", "megatron", "fused_qkv"])
+def test_materialize_universal_of_a_tensor_parallel_step_is_ds_to_universal_of_deepspeeds_save(
+    tensor_parallel, kind, tmp_path, run
+):
+    # the TP 2 bf16 step of the reshard job, on the command line: every file of ds_to_universal
+    # of save_checkpoint's files of the same state, equal (AutoTP's affine maps, a fused
+    # qkv_proj of uneven sub-parameters, Megatron-style row and column parallel patterns)
+    root, _ = tensor_parallel
+    here = root / f"{kind}-reshard" / "2to1-bf16"
+    done = run("--store", here / "store", "materialize", "--universal", "--step", 2, tmp_path / "out")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "latest_universal").read_text() == "global_step2_universal"
+    ours = tmp_path / "out" / "global_step2_universal"
+    assert universal_unlike(ours, here / "universal" / "global_step2") == []
+    assert (ours / "mp_rank_01_model_states.pt").is_file()
 
 
 def test_an_attached_pipeline_keeps_the_client_state_not_a_layer_file_for_it(tmp_path):

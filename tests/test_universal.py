@@ -11,7 +11,8 @@ from ckptstore.errors import UnsupportedError
 from tools.engines import batches, build_engine, destroy_engine, train
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_parallel_worker import same, to_universal  # noqa: E402
+from model_parallel_worker import same, to_universal, universal_unlike  # noqa: E402
+from test_store_deepspeed import build_variant  # noqa: E402
 
 DATA = batches(4)
 # ds_to_universal refuses a checkpoint without universal_checkpoint_info; a plain engine's has none.
@@ -66,6 +67,34 @@ def test_universal_materialize_equals_ds_to_universal_and_load_universal_trains_
     assert losses["ours"] == losses["theirs"]
 
 
+@pytest.mark.parametrize("variant", ["tied", "frozen"])
+def test_universal_materialize_writes_a_models_other_entries_from_its_model_states_as_ds_to_universal(
+    tmp_path, variant
+):
+    # GPT-2's lm_head is its embedding under another name, and a frozen layer no optimizer
+    # group holds: ds_to_universal writes them (fp32.pt alone) from the model-states file
+    store = ckptstore.open(tmp_path / "store", create=True)
+    if variant == "tied":
+        engine, name = (
+            build_engine("gpt2", zero_stage=1, dtype="bf16", seed=0, num_layers=1),
+            "lm_head.weight",
+        )
+    else:
+        engine = build_variant(1, "bf16", 0, freeze=["model.layers.0"])
+        name = "model.layers.0.self_attn.q_proj.weight"
+    train(engine, DATA[:2])
+    store.commit(engine, step=2, client_state=CLIENT_STATE)
+    engine.save_checkpoint(str(tmp_path / "deepspeed"), tag="global_step2", client_state=CLIENT_STATE)
+    destroy_engine(engine)
+    to_universal(tmp_path / "deepspeed" / "global_step2", tmp_path / "theirs")
+
+    out = store.materialize(2, tmp_path / "ours", universal=True)
+
+    ours = out / "global_step2_universal"
+    assert universal_unlike(ours, tmp_path / "theirs" / "global_step2") == []
+    assert sorted(path.name for path in (ours / "zero" / name).iterdir()) == ["fp32.pt"]
+
+
 def test_universal_materialize_refuses_what_it_does_not_reach_yet(tmp_path):
     store = ckptstore.open(tmp_path / "store", create=True)
     engine = build_engine("llama", zero_stage=0, dtype="fp32", seed=0, num_layers=1)
@@ -77,14 +106,18 @@ def test_universal_materialize_refuses_what_it_does_not_reach_yet(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_universal_materialize_on_the_command_line_writes_latest_universal_and_refuses_a_zero0_step(
+def test_universal_materialize_on_the_command_line_writes_latest_universal_and_refuses_naming_what(
     tmp_path, run
 ):
     store = ckptstore.open(tmp_path / "store", create=True)
-    for step, stage in ((1, 0), (2, 1)):
+    # sub-parameters given by a count, as before universal checkpoint version 0.4
+    legacy = {"universal_checkpoint_info": {"parameter_with_sub_params": [
+        {"patterns": [r"model\.layers\.0\.mlp\.gate_proj\.weight"], "shape": [2, -1], "partition_dim": 0}
+    ]}}  # fmt: skip
+    for step, stage, client_state in ((1, 0, CLIENT_STATE), (2, 1, CLIENT_STATE), (3, 1, legacy)):
         engine = build_engine("llama", zero_stage=stage, dtype="fp32", seed=0, num_layers=1)
         train(engine, DATA[:1])
-        store.commit(engine, step=step, client_state=CLIENT_STATE)
+        store.commit(engine, step=step, client_state=client_state)
         destroy_engine(engine)
     store.close()
 
@@ -97,6 +130,10 @@ def test_universal_materialize_on_the_command_line_writes_latest_universal_and_r
         "--store", tmp_path / "store", "materialize", "--universal", "--step", 1, tmp_path / "zero0"
     )
     assert refused.returncode == 6 and "ZeRO 0" in refused.stderr
+    legacy = run("--store", tmp_path / "store", "materialize", "--universal", "--step", 3, tmp_path / "sub")
+    assert legacy.returncode == 6, legacy.stderr
+    assert "model.layers.0.mlp.gate_proj.weight" in legacy.stderr and "0.4" in legacy.stderr
+    assert not (tmp_path / "sub").exists()
     tagged = run(
         "--store", tmp_path / "store", "materialize", "--universal", "--step", 2, "--tag", "x", tmp_path / "t"
     )

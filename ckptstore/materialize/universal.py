@@ -2,35 +2,50 @@
 
 DeepSpeed's universal checkpoint (``deepspeed/checkpoint/ds_to_universal.py``) holds, under
 ``OUT/global_step<N>_universal/``, ``zero/<param name>/{fp32,exp_avg,exp_avg_sq}.pt`` (each
-``{"param": the logical tensor, "cat_dim": 0}`` for a parameter no pattern of
-``universal_checkpoint_info`` names), ``zero/<param name>/step.pt`` (its group's ``step``, as
-the base optimizer keeps it), ``zero/optimizer_state.pt`` (the ZeRO optimizer's state without
-its partitions, with the base optimizer's ``param_groups``) and a copy of the
+``{"param": the logical tensor}`` with the keys its ``merge_tp_slices`` adds for the
+parameter's ``universal_checkpoint_info`` pattern: ``cat_dim``, ``param_n_sub_params``,
+``sub_param_shape``, ``vocab_tensor``), ``zero/<param name>/step.pt`` (its group's ``step``,
+as the base optimizer keeps it), ``zero/optimizer_state.pt`` (the ZeRO optimizer's state
+without its partitions, with the base optimizer's ``param_groups``) and a copy of the
 ``mp_rank_XX_model_states.pt`` files; ``OUT/latest_universal`` names the folder, which is what
 ``load_checkpoint`` with ``{"checkpoint": {"load_universal": true}}`` reads. The store keeps the
-logical tensors already, so they are written straight from it, and the model-states file as
-materialize writes it: no DeepSpeed directory is built on the way.
+logical tensors already (a tensor-parallel parameter's slices are pieces of it, joined as
+``ds_to_universal`` joins them: ``tensorsplit``, what ``export`` reads), so they are written
+straight from it, and the model-states files as materialize writes them: no DeepSpeed
+directory is built on the way. A parameter is taken from the first model-parallel rank that
+holds it (pipe-major: a tied weight from the first stage, ``step`` from tensor-parallel rank
+0), as ``ds_to_universal`` reads it.
 
-Reached so far: a ZeRO-1/2 step of one model-parallel rank (any data-parallel size) whose
-``universal_checkpoint_info`` names no parameter pattern. Everything else is refused
-(``UnsupportedError`` naming it) before anything is written.
+Reached: ZeRO-1/2 steps (and bf16's ``BF16_Optimizer``) of any data-parallel size, with or
+without a pipeline and tensor parallelism (AutoTP, whose ``affine_map`` DeepSpeed's
+``ParamAffineMap`` applies to the stored slices, Megatron-style patterns, Megatron-DeepSpeed's
+3D). An averaged parameter (``parameter_to_average_patterns``) is stored once, so it equals
+``ds_to_universal``'s average where the ranks' copies are equal. A state-dict entry no
+optimizer group holds (frozen, tied under another name, a buffer) gets ``fp32.pt`` alone from
+the model-states file, as ``ds_to_universal`` writes it. Refused (``UnsupportedError`` naming
+it, before anything is written): other optimizers and ZeRO 3, sub-parameters described as
+before universal checkpoint version 0.4, a vocabulary pattern without ``original_vocab_size``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 
 import torch
 
+from .. import tensorsplit
 from ..catalog import Catalog
 from ..deepspeed import parallel
 from ..deepspeed.fill import Filler, TensorSource, stored_tensor
-from ..deepspeed.layout import ZERO12
+from ..deepspeed.layout import BF16_OPTIMIZER, ZERO12
 from ..deepspeed.stepfiles import StepWriter
 from ..deepspeed.torchfile import save_skeleton
 from ..errors import UnsupportedError
+from ..format import plainstate
 from ..model import FP32
 from ..objects import ObjectStore
 from . import outputs
@@ -71,57 +86,181 @@ def materialize_universal(
 def check_reachable(description: dict, step: int) -> None:
     """UnsupportedError unless a universal checkpoint of the step can be written here."""
     what = f"materialize --universal of step {step}"
-    if description.get("flavour") != ZERO12 or description.get("zero_stage") not in (1, 2):
+    flavour, stage = description.get("flavour"), description.get("zero_stage")
+    if not ((flavour == ZERO12 and stage in (1, 2)) or (flavour == BF16_OPTIMIZER and stage in (0, 1))):
         raise UnsupportedError(
-            f"{what}: only ZeRO-1/2 steps are written as universal checkpoints yet, not ZeRO "
-            f"{description.get('zero_stage')} ({description.get('flavour')}); use ds_to_universal on "
-            "its materialize"
+            f"{what}: only ZeRO-1/2 steps (bf16's BF16_Optimizer too) are written as universal "
+            f"checkpoints yet, not ZeRO {stage} ({flavour}); use ds_to_universal on its materialize"
         )
-    if parallel.size(description) > 1 or description.get("model_parallel"):
-        raise UnsupportedError(
-            f"{what}: a step of a model-parallel engine (pipeline or tensor parallel) is not written "
-            "as a universal checkpoint yet; use ds_to_universal on its materialize"
-        )
-    info = description.get("model_state", {}).get("universal_checkpoint_info") or {}
-    patterns = sorted(key for key, value in info.items() if key.endswith("patterns") and value)
-    if patterns:
-        raise UnsupportedError(
-            f"{what}: universal_checkpoint_info's {', '.join(patterns)} are not applied yet; use "
-            "ds_to_universal on its materialize"
-        )
-    trainable = {name for group in description["groups"] for name in group["params"]}
-    other = sorted(set(description["params"]) - trainable)
-    if other or description.get("aliases"):
-        raise UnsupportedError(
-            f"{what}: frozen or tied parameters ({', '.join(other or sorted(description['aliases']))}) "
-            "are not written as universal checkpoints yet"
-        )
+    trainable = {
+        name for m in range(parallel.size(description))
+        for group in parallel.rank_description(description, m)["groups"] for name in group["params"]
+    }  # fmt: skip
+    info = universal_info(description)
+    for name in sorted(trainable):
+        if merge_kind(info, name) == SUB and legacy_sub_params(info, name):
+            raise UnsupportedError(
+                f"{what}: {name} has sub-parameters described as before universal checkpoint "
+                "version 0.4 (a count, no widths), not written yet"
+            )
+        if _matches(info, _VOCABULARY, name) and type(info.get(_ORIGINAL_VOCAB)) is not int:
+            raise UnsupportedError(f"{what}: vocabulary parameter {name} has no original_vocab_size")
+
+
+def universal_info(description: dict) -> dict:
+    """The step's ``universal_checkpoint_info`` (as its first model-parallel rank saved it)."""
+    own = plainstate.from_plain(parallel.rank_description(description, 0).get("model_state", {}))
+    return own.get(parallel.UNIVERSAL_INFO) or {}
+
+
+# How ds_to_universal's merge_tp_slices joins a parameter's slices, tried in its order.
+AFFINE, REPLICATED, AVERAGED, TWO_SUB, SUB, CAT = "affine", "replicated", "averaged", "two", "sub", "cat"
+# The universal_checkpoint_info keys it reads (deepspeed.checkpoint.constants).
+_PATTERNS = {
+    REPLICATED: "tp_replicated_parameter_patterns", AVERAGED: "parameter_to_average_patterns",
+    TWO_SUB: "parameter_with_2_sub_params_cat_dim_0",
+}  # fmt: skip
+_ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
+_VOCABULARY = "vocabulary_parameter_patterns"
+_SUB_PARAMS = "parameter_with_sub_params"
+_ORIGINAL_VOCAB = "original_vocab_size"
+
+
+def _matches(info: dict, key: str, name: str) -> bool:
+    return any(re.match(pattern, name) for pattern in info.get(key) or ())
+
+
+def _affine_map(info: dict, name: str) -> dict | None:
+    params = (info.get("affine_map") or {}).get("params") or {}
+    matched = [pattern for pattern in params if re.match(pattern, name)]
+    return params[matched[0]] if matched else None
+
+
+def _sub_params(info: dict, name: str) -> tuple[dict, str] | tuple[None, None]:
+    for entry in info.get(_SUB_PARAMS) or ():
+        for pattern in entry["patterns"]:
+            if re.match(pattern, name):
+                return entry, pattern
+    return None, None
+
+
+def merge_kind(info: dict, name: str) -> str:
+    """Which of merge_tp_slices' branches ``name`` takes (the affine map first, as it does)."""
+    if _affine_map(info, name) is not None:
+        return AFFINE
+    for kind, key in _PATTERNS.items():
+        if _matches(info, key, name):
+            return kind
+    return SUB if _sub_params(info, name)[0] is not None else CAT
+
+
+def legacy_sub_params(info: dict, name: str) -> bool:
+    """Whether the sub-parameters of ``name`` are given by a count (before version 0.4)."""
+    entry, _ = _sub_params(info, name)
+    spec = entry["shape"][entry["partition_dim"]]
+    return info.get("universal_checkpoint_version", 0.0) < 0.4 and not isinstance(spec, tuple)
+
+
+def merged(info: dict, name: str, param: dict, degree: int, stored: torch.Tensor, kind: str) -> dict:
+    """What ds_to_universal writes to ``zero/<name>/<kind>.pt`` for a parameter (its
+    description entry ``param``) whose ``kind`` the store holds as ``stored`` (its flat stored
+    order): the logical tensor the export path reads (``tensorsplit``), with the keys its
+    branch of merge_tp_slices adds; the vocabulary's padding cut as it cuts it."""
+    how = merge_kind(info, name)
+    saved: dict = {}
+    if how == AFFINE:
+        from deepspeed.checkpoint.affine import SCALE_POWER_BY_STATE, ParamAffineMap
+
+        flat = stored.reshape(-1)
+        shards = {
+            t: flat[tensorsplit.slice_offset(param, t) :][: math.prod(shape)].view(shape)
+            for t, shape in enumerate(tensorsplit.slice_shape(param, t) for t in range(degree))
+        }
+        tensor = ParamAffineMap.from_dict(_affine_map(info, name)).rebuild(shards, SCALE_POWER_BY_STATE[kind])
+    else:
+        tensor = tensorsplit.to_logical(stored, param)
+    if how == AVERAGED:
+        # ds_to_universal averages the ranks' copies, which the store keeps one of (the first):
+        # equal copies average to themselves, as here
+        tensor = sum([tensor] * degree) / degree
+    elif how == TWO_SUB:
+        saved.update(cat_dim=0, param_n_sub_params=2)
+    elif how == SUB:
+        saved["sub_param_shape"] = _subparam_shape(info, name)
+    elif how == CAT:
+        saved["cat_dim"] = 1 if _matches(info, _ROW_PARALLEL, name) else 0
+    if _matches(info, _VOCABULARY, name):
+        tensor = tensor[: info[_ORIGINAL_VOCAB]]
+        saved["vocab_tensor"] = True
+    # a clone: torch.save writes a view's whole storage, which may hold other tensors
+    saved["param"] = tensor.clone(memory_format=torch.contiguous_format)
+    return saved
+
+
+def _subparam_shape(info: dict, name: str):
+    from deepspeed.checkpoint import SubparamShape
+
+    entry, _ = _sub_params(info, name)
+    return SubparamShape(**entry)
 
 
 def write_universal(description: dict, tensors: TensorSource, folder: Path) -> None:
     """Write the universal checkpoint folder of a step ``check_reachable`` accepts."""
     writer = StepWriter(description, tensors, description["world_size"])
-    rank = writer.writers[0]
     files = writer.files()
-    osd = next(obj for name, obj, (_, dp) in files if name.endswith("_optim_states.pt") and dp == 0)
-    osd = osd["optimizer_state_dict"]
+    optim = {
+        mp: obj["optimizer_state_dict"]
+        for name, obj, (mp, dp) in files if name.endswith("_optim_states.pt") and dp == 0
+    }  # fmt: skip
+    info, degree = universal_info(description), parallel.tensor_size(description)
     zero = folder / "zero"
-    for g, group in enumerate(rank.d["groups"]):
-        state = osd["base_optimizer_state"]["state"][g]
-        for name in group["params"]:
-            target = zero / name
-            target.mkdir(parents=True)
-            if "step" in state:
-                torch.save(state["step"], target / "step.pt")
-            for kind in STATES:
-                # A clone: torch.save writes a view's whole storage, which may hold other tensors.
-                param = stored_tensor(tensors, name, kind).reshape(rank.shape(name)).clone()
-                torch.save({"cat_dim": 0, "param": param}, target / f"{kind}.pt")
+    # Each parameter from the first model-parallel rank holding it (pipe-major: the first
+    # stage's copy of a tied weight, tensor-parallel rank 0's step), as ds_to_universal reads it.
+    for rank in writer.writers:
+        state = optim[rank.mp_rank]["base_optimizer_state"]["state"]
+        for g, group in enumerate(rank.d["groups"]):
+            for name in group["params"]:
+                target = zero / name
+                if target.exists():
+                    continue
+                target.mkdir(parents=True)
+                if "step" in state[g]:
+                    torch.save(state[g]["step"], target / "step.pt")
+                for kind in STATES:
+                    stored = stored_tensor(tensors, name, kind)
+                    torch.save(
+                        merged(info, name, writer.params[name], degree, stored, kind), target / f"{kind}.pt"
+                    )
+    if not description.get("model_parallel", {}).get("pipeline", False):
+        write_module_entries(writer, tensors, zero)
+    # zero/optimizer_state.pt: the first rank's, as DeepSpeedCheckpoint reads it
+    osd = optim[0]
     common = {key: value for key, value in osd.items() if key not in _SHARDED}
     common["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+    if common.get("group_paddings"):
+        common["group_paddings"] = [0] * len(common["group_paddings"])
+    if common.get("partition_count"):
+        common["partition_count"] = [description["world_size"]] * len(common["partition_count"])
     torch.save(common, zero / "optimizer_state.pt")
     # The model-states files, as ds_to_universal copies them: materialize's, filled on disk.
     models = [(folder / name, obj) for name, obj, _ in files if name.startswith("mp_rank_")]
     Filler(writer.holes, tensors, writer.params).fill(
         [(path, save_skeleton(obj, path)) for path, obj in models]
     )
+
+
+def write_module_entries(writer: StepWriter, tensors: TensorSource, zero: Path) -> None:
+    """What ds_to_universal writes for the entries of a model's state dict that no optimizer
+    group holds (a frozen parameter, a tied one under its other name, a buffer): ``fp32.pt``
+    alone, ``{"param": the model-states file's tensor as float}``, each from the first
+    model-parallel rank's file that has it (a frozen tensor-parallel parameter: rank 0's
+    slice, as it reads it). A pipeline's model-states files hold no module: nothing then."""
+    filler = Filler(writer.holes, tensors, writer.params)
+    for rank in writer.writers:
+        missing = {
+            key: tensor for key, tensor in rank.module().items() if not (zero / key / "fp32.pt").exists()
+        }
+        filler.fill_in_memory(filler.in_memory(list(missing.values())), desc="universal")
+        for key, tensor in missing.items():
+            (zero / key).mkdir(parents=True, exist_ok=True)
+            torch.save({"param": tensor.float().clone()}, zero / key / "fp32.pt")
