@@ -15,6 +15,14 @@ of its width on each slice, ``{"dim": 0, "sizes": [64, 32], "sub": [[32, 16], [1
 Slice ``t`` is then this rank's piece of every sub-parameter one after another along ``dim``
 (so ``sizes[t]`` is the sum of the sub-parameters' widths on it), and the logical tensor is
 the sub-parameters whole, one after another: what ``ds_to_universal`` writes for it.
+
+A parameter every rank holds whole but whose copies may differ (``parameter_to_average_patterns``:
+norms that bf16 let drift apart on each rank, BLOOM's) keeps every rank's copy:
+``{"dim": 0, "sizes": [n, n, ...], "average": true}``, its ``shape`` the copies one after
+another along dimension 0 (as a split of ``len(sizes)`` slices, so each rank's files get its
+own copy back). Its logical tensor (``logical_shape``: one copy's) is their mean, computed as
+``ds_to_universal``'s ``merge_tp_slices`` computes it (``sum(copies) / len(copies)``), and a
+layout of another degree gets that mean on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +37,20 @@ def split_of(info: dict) -> dict | None:
     return info.get("split")
 
 
+def averaged(info: dict) -> bool:
+    """Whether the parameter keeps every rank's copy and is logically their mean."""
+    split = split_of(info)
+    return split is not None and split.get("average") is True
+
+
+def logical_shape(info: dict) -> list[int]:
+    """The parameter's logical shape: its ``shape``, one copy's for an averaged parameter."""
+    shape = list(info["shape"])
+    if averaged(info):
+        shape[0] = info["split"]["sizes"][0]
+    return shape
+
+
 def sub_widths(split: dict) -> list[list[int]]:
     """Each sub-parameter's width on each slice (one sub-parameter, the whole slice, where the
     split names none)."""
@@ -39,6 +61,8 @@ def in_logical_order(info: dict) -> bool:
     """Whether the parameter's flat stored order is its logical tensor's (unsplit, in one
     slice, or split along dimension 0 without sub-parameters)."""
     split = split_of(info)
+    if split is not None and averaged(info):
+        return False
     return split is None or len(split["sizes"]) == 1 or (split["dim"] == 0 and len(sub_widths(split)) == 1)
 
 
@@ -60,11 +84,14 @@ def slice_offset(info: dict, index: int) -> int:
 
 
 def to_logical(flat: torch.Tensor, info: dict) -> torch.Tensor:
-    """The logical tensor (in ``info["shape"]``) of a flat tensor in stored order."""
+    """The logical tensor (in ``logical_shape(info)``) of a flat tensor in stored order."""
     flat = flat.reshape(-1)
     if in_logical_order(info):
         return flat.view(info["shape"])
     split = split_of(info)
+    if averaged(info):
+        copies = flat.view(info["shape"]).split(split["sizes"][0], dim=0)
+        return sum(copies) / len(copies)  # merge_tp_slices' mean, bit for bit
     dim, widths = split["dim"], sub_widths(split)
     slices, start = [], 0
     for index in range(len(split["sizes"])):
@@ -81,6 +108,8 @@ def from_logical(tensor: torch.Tensor, info: dict) -> torch.Tensor:
     if in_logical_order(info):
         return tensor.reshape(-1)
     split = split_of(info)
+    if averaged(info):  # the mean, as every rank's copy (what load_universal gives each)
+        return tensor.reshape(-1).repeat(len(split["sizes"]))
     dim, widths = split["dim"], sub_widths(split)
     subs = tensor.view(info["shape"]).split([sum(sub) for sub in widths], dim=dim)
     cut = [whole.split(sub, dim=dim) for whole, sub in zip(subs, widths, strict=True)]
@@ -131,6 +160,10 @@ def description_problem(description: object) -> str | None:
             return (
                 f"parameter {name!r}: its slices add up to {sum(sizes)}, not its dimension {dim} of {shape}"
             )
+        if "average" in split and (
+            split["average"] is not True or dim != 0 or "sub" in split or len(set(sizes)) != 1
+        ):
+            return f"parameter {name!r} is averaged over copies that are no equal slices along dimension 0 ({split!r:.80})"
         if (problem := _sub_problem(split.get("sub"), sizes)) is not None:
             return f"parameter {name!r} has sub-parameters {problem} ({split!r:.80})"
         slices[name] = len(sizes)

@@ -11,7 +11,8 @@ commit of the state saved is materialized (compared file by file with the save) 
 from, restored into a fresh engine of the same layout, and exported; a restore into the other
 layouts is tried first (refused today). At PP 2 × TP 2, step 4 is committed saving one block
 alone (a composite), materialized, and resumed from. Each rank writes what it observed to
-``RESULT.<rank>.json``; the pytest side asserts on it.
+``RESULT.<rank>.json``; the pytest side asserts on it. At PP 2 × TP 2, the final norm (an
+averaged parameter) is let drift apart on TP rank 1 before the save and the commit.
 """
 
 from __future__ import annotations
@@ -181,6 +182,53 @@ def refused(call) -> dict:
     return {"error": None}
 
 
+AVERAGED = "6.weight"  # the final norm, a parameter_to_average_patterns one in GPTModelPipe's info
+
+
+def perturb_averaged(engine) -> list[list[float]]:
+    """Let TP rank 1's copy of the final norm drift from TP rank 0's, as bf16 training let
+    BLOOM's: its fp32 master and Adam moments shifted (DeepSpeed's own setters), before both
+    DeepSpeed's save and the commit see the state. Collective; every rank gets the fp32 copies
+    of the last stage's TP ranks, in TP order."""
+    from deepspeed import utils
+
+    param = dict(engine.module.named_parameters()).get(AVERAGED)
+    copy = None
+    if param is not None:
+        if engine.grid.get_slice_parallel_rank() == 1:
+            utils.safe_set_full_fp32_param(param, utils.safe_get_full_fp32_param(param) + 2**-12)
+            for state in ("exp_avg", "exp_avg_sq"):
+                utils.safe_set_full_optimizer_state(
+                    param, utils.safe_get_full_optimizer_state(param, state) * 1.5, state
+                )
+        copy = utils.safe_get_full_fp32_param(param).tolist()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, copy)
+    return [copy for copy in gathered if copy is not None]
+
+
+def averaged_against(copies: list[list[float]], store, root: Path) -> dict:
+    """The drifted final norm: whether its TP copies differ, and whether ds_to_universal's fp32
+    (of DeepSpeed's save), the store's state_dict, export and materialize --universal of the
+    commit are all their mean as merge_tp_slices computes it (bit for bit; export in bf16)."""
+    from safetensors.torch import load_file
+
+    tensors = [torch.tensor(copy, dtype=torch.float32) for copy in copies]
+    mean = sum(tensors) / len(tensors)
+    theirs = torch.load(root / "universal" / TAG / "zero" / AVERAGED / "fp32.pt", weights_only=False)["param"]
+    ours = root / "universal-materialized" / f"{TAG}_universal" / "zero" / AVERAGED / "fp32.pt"
+    return {
+        "copies": len(tensors),
+        "copies_differ": not torch.equal(tensors[0], tensors[1]),
+        "ds_to_universal": torch.equal(theirs, mean),
+        "state_dict": torch.equal(store.state_dict(2)[AVERAGED], mean),
+        "export": torch.equal(
+            load_file(root / "exported" / "model.safetensors")[AVERAGED], mean.to(torch.bfloat16)
+        ),
+        "materialize_universal": torch.equal(torch.load(ours, weights_only=False)["param"], mean),
+    }
+
+
 def note(what: str) -> None:
     # progress on stderr, where a failing test shows it
     if os.environ.get("RANK") == "0":
@@ -197,6 +245,8 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
     engine = megatron_gpt.build_engine(*layout, seed=0)
     note(f"{layout} train")
     run = {"losses": megatron_gpt.train(engine, DATA[:4])}
+    if layout == (2, 2, 1):  # TP copies of an averaged parameter that drifted apart
+        copies = perturb_averaged(engine)
     store = open_store(root)
     note(f"{layout} commit")
     store.commit(engine, step=2)  # blocking: the state save_checkpoint writes next
@@ -222,6 +272,7 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         note(f"{layout} materialize --universal")
         run["universal_from_store"] = universal_from_store(root, store)
         if layout == (2, 2, 1):
+            run["averaged"] = averaged_against(copies, store, root)
             note(f"{layout} composite")
             run["composite"] = composite(root, store)
     dist.barrier()

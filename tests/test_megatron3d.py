@@ -262,3 +262,18 @@ def test_load_universal_of_the_stores_universal_checkpoint_of_a_3d_step_trains_a
         assert "error" not in ours, ours.get("traceback")
         assert ours["global_steps"] == 2
         assert ours["losses"] == run["universal_resumed"]["2x1x2"]["losses"]
+
+
+def test_an_averaged_parameters_drifted_tp_copies_are_kept_and_read_as_ds_to_universals_mean(observed):
+    # PP 2 x TP 2: TP rank 1's copy of the final norm (parameter_to_average_patterns) drifted
+    # from TP rank 0's before the save and the commit. The store keeps both: materialize and
+    # restore give each rank its own (bit-equal files, resumes as DeepSpeed's, tested above),
+    # and its logical tensor is their mean, bit for bit as ds_to_universal's merge_tp_slices
+    # computes it, in state_dict, export (bf16) and materialize --universal
+    averaged = observed[0]["2x2x1"]["averaged"]
+    assert averaged == {
+        "copies": 2, "copies_differ": True, "ds_to_universal": True, "state_dict": True, "export": True,
+        "materialize_universal": True,
+    }  # fmt: skip
+    assert observed[0]["2x2x1"]["materialized_differences"] == []
+    assert observed[0]["2x2x1"]["universal_from_store"]["differences"] == []

@@ -93,3 +93,26 @@ def test_a_vocabulary_keeps_at_most_its_rows_as_its_original_vocab_size():
             {"params": {"embed": {**padded, "original_vocab_size": bad}}}
         )
         assert problem is not None and "embed" in problem, bad
+
+
+def test_an_averaged_parameter_keeps_every_ranks_copy_and_reads_as_their_mean_as_ds_to_universal():
+    # two TP ranks' copies of a norm, drifted apart: stored one after another, each rank's
+    # slice its own copy; the logical tensor is merge_tp_slices' sum(slices) / len(slices)
+    copies = [torch.randn(4, dtype=torch.float32), torch.randn(4, dtype=torch.float32)]
+    info = {"shape": [8], "split": {"dim": 0, "sizes": [4, 4], "average": True}}
+    assert tensorsplit.description_problem({"params": {"norm": info}}) is None
+    assert tensorsplit.logical_shape(info) == [4] and not tensorsplit.in_logical_order(info)
+    assert [tensorsplit.slice_shape(info, t) for t in (0, 1)] == [[4], [4]]
+    assert [tensorsplit.slice_offset(info, t) for t in (0, 1)] == [0, 4]
+    logical = tensorsplit.to_logical(torch.cat(copies), info)
+    assert torch.equal(logical, sum(copies) / len(copies))
+    # another degree gets the mean on every rank; one rank's layout the mean itself
+    three = {"shape": [12], "split": {"dim": 0, "sizes": [4, 4, 4], "average": True}}
+    assert torch.equal(tensorsplit.from_logical(logical, three), logical.repeat(3))
+    assert not tensorsplit.same_order(info, three) and not tensorsplit.same_order(info, {"shape": [4]})
+    assert tensorsplit.same_order(info, dict(info))
+    for bad in ({"average": 1}, {"sizes": [4, 3]}, {"dim": 1}, {"sub": [[2, 2], [2, 2]]}):
+        split = {**info["split"], **bad}
+        shape = [8, 1] if bad.get("dim") == 1 else [sum(split["sizes"])]
+        problem = tensorsplit.description_problem({"params": {"norm": {"shape": shape, "split": split}}})
+        assert problem is not None and "norm" in problem, bad

@@ -16,7 +16,8 @@ A tensor-parallel rank (AutoTP, a Megatron-style ``mpu``) holds a slice of some 
 all of the others. Its pieces are pieces of the logical parameters (``tensorsplit``: each
 slice is a range of the parameter's flat stored order), so the step describes the model once
 at its logical shapes whatever the degree; a replicated parameter is stored by the first
-slice alone. How each parameter is split comes from what DeepSpeed and the client provide for
+slice alone, an averaged one (``parameter_to_average_patterns``) by every slice, its logical
+tensor their mean. How each parameter is split comes from what DeepSpeed and the client provide for
 DeepSpeed's own universal checkpoint: AutoTP's per-parameter metadata, else the
 ``universal_checkpoint_info`` patterns a Megatron client passes in its client state or sets on
 its module. In Megatron-DeepSpeed's 3D setting the two meet: each pipeline stage is cut into
@@ -139,11 +140,19 @@ def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> di
     for name, entry in params.items():
         if _matches(info.get(_UNSUPPORTED), name):
             raise UnsupportedError(f"tensor-parallel parameter {name} is one DeepSpeed cannot convert")
-        if _matches(info.get(_REPLICATED), name) or _matches(info.get(_AVERAGED), name):
-            # An averaged parameter's copies are equal unless training let them drift (BLOOM's
-            # bf16 norms did); the first is stored, and a materialize is bit-equal only where
-            # they are, which the 3D job checks.
-            splits[name] = None
+        if _matches(info.get(_REPLICATED), name):
+            splits[name] = None  # equal on every rank (ds_to_universal asserts it): stored once
+            continue
+        if _matches(info.get(_AVERAGED), name):
+            # Its copies are equal unless training let them drift (BLOOM's bf16 norms did):
+            # every rank's is kept, one after another along dimension 0, so each rank gets its
+            # own back, and the logical tensor is their mean (tensorsplit).
+            if not entry["shape"]:
+                raise UnsupportedError(
+                    f"averaged tensor-parallel parameter {name} is a scalar, not supported"
+                )
+            rows = int(entry["shape"][0])
+            splits[name] = {"dim": 0, "sizes": [rows] * degree, "average": True}
             continue
         local = int(entry["shape"][0]) if entry["shape"] else 0
         if _matches(info.get(_TWO_SUB_PARAMS), name):

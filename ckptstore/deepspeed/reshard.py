@@ -49,10 +49,9 @@ def recut(stored: dict, target: dict, what: str) -> dict:
     if missing:
         raise BadInputError(f"{what} has no parameter {missing[0]} of this engine ({len(missing)} missing)")
     for name, info in target["params"].items():
-        if info["shape"] != stored["params"][name]["shape"]:
-            raise BadInputError(
-                f"{what} holds {name} of shape {stored['params'][name]['shape']}, this engine {info['shape']}"
-            )
+        was, now = tensorsplit.logical_shape(stored["params"][name]), tensorsplit.logical_shape(info)
+        if was != now:
+            raise BadInputError(f"{what} holds {name} of shape {was}, this engine {now}")
     parts = [parallel.rank_description(stored, m) for m in range(parallel.size(stored))]
     groups = {name: group for part in parts for group in part["groups"] for name in group["params"]}
     recut = dict(target)

@@ -40,8 +40,9 @@ VOCAB_ROWS = "original_vocab_size"
 
 def exported_shape(info: dict) -> tuple[int, ...]:
     """The shape a parameter (its description entry) is exported at: its logical shape, a
-    vocabulary's rows cut to ``original_vocab_size`` as ``ds_to_universal`` cuts them."""
-    shape = list(info["shape"])
+    vocabulary's rows cut to ``original_vocab_size`` as ``ds_to_universal`` cuts them (an
+    averaged parameter's: one copy's, ``tensorsplit.logical_shape``)."""
+    shape = tensorsplit.logical_shape(info)
     if VOCAB_ROWS in info:
         shape[0] = info[VOCAB_ROWS]
     return tuple(shape)

@@ -19,8 +19,8 @@ holds it (pipe-major: a tied weight from the first stage, ``step`` from tensor-p
 Reached: ZeRO-1/2 steps (and bf16's ``BF16_Optimizer``) of any data-parallel size, with or
 without a pipeline and tensor parallelism (AutoTP, whose ``affine_map`` DeepSpeed's
 ``ParamAffineMap`` applies to the stored slices, Megatron-style patterns, Megatron-DeepSpeed's
-3D). An averaged parameter (``parameter_to_average_patterns``) is stored once, so it equals
-``ds_to_universal``'s average where the ranks' copies are equal. A state-dict entry no
+3D). An averaged parameter (``parameter_to_average_patterns``) keeps every rank's copy, and is
+written as ``ds_to_universal``'s mean of them (``tensorsplit``). A state-dict entry no
 optimizer group holds (frozen, tied under another name, a buffer) gets ``fp32.pt`` alone from
 the model-states file, as ``ds_to_universal`` writes it. Refused (``UnsupportedError`` naming
 it, before anything is written): other optimizers and ZeRO 3, sub-parameters described as
@@ -179,9 +179,9 @@ def merged(info: dict, name: str, param: dict, degree: int, stored: torch.Tensor
         tensor = ParamAffineMap.from_dict(_affine_map(info, name)).rebuild(shards, SCALE_POWER_BY_STATE[kind])
     else:
         tensor = tensorsplit.to_logical(stored, param)
-    if how == AVERAGED:
-        # ds_to_universal averages the ranks' copies, which the store keeps one of (the first):
-        # equal copies average to themselves, as here
+    if how == AVERAGED and not tensorsplit.averaged(param):
+        # a step committed before every rank's copy was kept holds the first: ds_to_universal's
+        # mean of equal copies (an averaged split's logical tensor is the mean already)
         tensor = sum([tensor] * degree) / degree
     elif how == TWO_SUB:
         saved.update(cat_dim=0, param_n_sub_params=2)
