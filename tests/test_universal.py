@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.errors import UnsupportedError
+from ckptstore.errors import BadInputError, UnsupportedError
 from tools.engines import batches, build_engine, destroy_engine, train
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -138,3 +138,58 @@ def test_universal_materialize_on_the_command_line_writes_latest_universal_and_r
         "--store", tmp_path / "store", "materialize", "--universal", "--step", 2, "--tag", "x", tmp_path / "t"
     )
     assert tagged.returncode == 2  # a universal checkpoint's folder is named for its step
+
+
+GATE = r"model\.layers\.0\.mlp\.gate_proj\.weight"
+SUB = {"patterns": [GATE], "shape": [[32, 32], 16], "partition_dim": 0}
+# (universal_checkpoint_info, what the refusal names: its key and the bad entry)
+MALFORMED = [
+    ([r"model\.norm\.weight"], ["universal_checkpoint_info is no dict"]),
+    ({"tp_replicated_parameter_patterns": r"model\.norm\.weight"}, ["tp_replicated_parameter_patterns", "no list"]),
+    ({"parameter_to_average_patterns": [3]}, ["parameter_to_average_patterns", "no string", "3"]),
+    ({"parameter_with_row_parallelism_patterns": ["model.(layers"]}, ["parameter_with_row_parallelism_patterns",
+                                                                      "no regular expression", "model.(layers"]),
+    ({"vocabulary_parameter_patterns": [None]}, ["vocabulary_parameter_patterns", "None"]),
+    ({"parameter_with_sub_params": [GATE]}, ["parameter_with_sub_params", "no dict of partition_dim"]),
+    ({"parameter_with_sub_params": [{**SUB, "partition_dim": 2}]}, ["parameter_with_sub_params", "partition_dim"]),
+    ({"parameter_with_sub_params": [{**SUB, "shape": ["32"]}]}, ["parameter_with_sub_params", "shape"]),
+    ({"parameter_with_sub_params": [{**SUB, "patterns": ["(("]}]}, ["parameter_with_sub_params", "(("]),
+    ({"parameter_with_sub_params": {"patterns": [GATE]}}, ["parameter_with_sub_params", "no list"]),
+    ({"original_vocab_size": "32000"}, ["original_vocab_size", "no positive int", "32000"]),
+    ({"original_vocab_size": True}, ["original_vocab_size", "True"]),
+    ({"padded_vocab_size": 0}, ["padded_vocab_size", "0"]),
+    ({"universal_checkpoint_version": "0.4"}, ["universal_checkpoint_version", "0.4"]),
+]  # fmt: skip
+
+
+def test_a_malformed_universal_checkpoint_info_is_refused_at_commit_naming_its_key_and_entry(tmp_path):
+    # Each kind of bad entry a client (or a module's universal_checkpoint_info) can give is a
+    # BadInputError naming the key and the entry, before anything is written: the store holds
+    # no step and no file more after it, and a good commit of the same step goes through.
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=1)
+    train(engine, DATA[:1])
+    before = sorted(
+        path for path in (tmp_path / "store").rglob("*") if "catalog" not in path.name and path.name != "lock"
+    )
+    for info, named in MALFORMED:
+        with pytest.raises(BadInputError) as refused:
+            store.commit(engine, step=1, client_state={"universal_checkpoint_info": info})
+        assert all(part in str(refused.value) for part in named), (str(refused.value), named)
+    assert store.steps() == []
+    assert (
+        sorted(
+            path
+            for path in (tmp_path / "store").rglob("*")
+            if "catalog" not in path.name and path.name != "lock"
+        )
+        == before
+    )
+    good = {
+        "parameter_with_sub_params": [SUB],
+        "original_vocab_size": 32,
+        "tp_replicated_parameter_patterns": [],
+    }
+    store.commit(engine, step=1, client_state={"universal_checkpoint_info": good})
+    destroy_engine(engine)
+    assert store.steps() == [1]

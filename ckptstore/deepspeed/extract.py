@@ -240,6 +240,7 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     if autotp_info is not None:  # what AutoTP's save writes for ds_to_universal
         model_state[parallel.UNIVERSAL_INFO] = autotp_info
     model_state.update(client_state or {})
+    parallel.check_universal_info(model_state.get(parallel.UNIVERSAL_INFO))
     osd = engine.optimizer.state_dict() if zero else model_state["optimizer"]
     rank = dp_rank(engine)
     world_size = model_state["dp_world_size"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import tensorsplit
-from ..errors import BadInputError
+from ..errors import BadInputError, CorruptError
 from ..format.codec import DTYPES
 from ..model import FP32, WEIGHT
 from . import parallel
@@ -36,6 +36,7 @@ def split_info(stored: dict) -> dict:
     pattern, whatever the degree); empty where the step has none."""
     model_state = parallel.rank_description(stored, 0)["model_state"]
     info = model_state.get(parallel.UNIVERSAL_INFO)
+    parallel.check_universal_info(info, CorruptError)  # read from the store: not trusted
     return {parallel.UNIVERSAL_INFO: info} if isinstance(info, dict) else {}
 
 

@@ -44,7 +44,7 @@ from ..deepspeed.fill import Filler, TensorSource, stored_tensor
 from ..deepspeed.layout import BF16_OPTIMIZER, ZERO12
 from ..deepspeed.stepfiles import StepWriter
 from ..deepspeed.torchfile import save_skeleton
-from ..errors import UnsupportedError
+from ..errors import CorruptError, UnsupportedError
 from ..format import plainstate
 from ..model import FP32
 from ..objects import ObjectStore
@@ -110,7 +110,9 @@ def check_reachable(description: dict, step: int) -> None:
 def universal_info(description: dict) -> dict:
     """The step's ``universal_checkpoint_info`` (as its first model-parallel rank saved it)."""
     own = plainstate.from_plain(parallel.rank_description(description, 0).get("model_state", {}))
-    return own.get(parallel.UNIVERSAL_INFO) or {}
+    info = own.get(parallel.UNIVERSAL_INFO) or {}
+    parallel.check_universal_info(info, CorruptError)  # read from the store: not trusted
+    return info
 
 
 # How ds_to_universal's merge_tp_slices joins a parameter's slices, tried in its order.
