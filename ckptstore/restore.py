@@ -177,5 +177,5 @@ def _plan(
     )
     return RankShare(
         description, reader, engine.dp_world_size, rank, skip_module_weights=derive, into=into,
-        mp_rank=getattr(engine, "checkpoint_mp_rank", 0),
+        mp_rank=getattr(engine, "checkpoint_mp_rank", 0), slices=parallel.tensor_degree(engine),
     )  # fmt: skip
