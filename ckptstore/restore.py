@@ -62,12 +62,19 @@ def restore(
     ``load_lr_scheduler_states``, ``load_module_only``) as ``load_checkpoint`` takes them.
     ``recovery``: read what this node's tier lacks from the job's other tiers first
     (``tier.recover``; the newest step is then the newest the job can assemble).
-    Returns ``(step, client_state)``. BadInputError for a step outside 0..2**63-1 or what is
-    no DeepSpeed engine."""
+    Returns ``(step, client_state)``. BadInputError for a step outside 0..2**63-1, what is
+    no DeepSpeed engine, or one configured to load a universal checkpoint."""
     from .deepspeed.extract import optimizer_flavour
     from .deepspeed.load import load_from_memory, start_module_weights
 
     check_engine(engine)
+    if getattr(engine, "load_universal_checkpoint", lambda: False)():
+        # DeepSpeed's load_checkpoint then reads nothing but ds_to_universal's zero/ folder.
+        raise BadInputError(
+            'this engine is configured with "checkpoint": {"load_universal": true}, for which DeepSpeed '
+            "loads only a universal checkpoint: restore into an engine without it (a restore into "
+            f"another layout reshards on its own); {_UNCHANGED}"
+        )
     step = None if step is None else check_step(step)
 
     def choose() -> int:
@@ -177,5 +184,5 @@ def _plan(
     )
     return RankShare(
         description, reader, engine.dp_world_size, rank, skip_module_weights=derive, into=into,
-        mp_rank=getattr(engine, "checkpoint_mp_rank", 0),
+        mp_rank=getattr(engine, "checkpoint_mp_rank", 0), slices=parallel.tensor_degree(engine),
     )  # fmt: skip

@@ -6,11 +6,12 @@ tests/test_megatron3d.py as one ``torch.distributed.run`` job of 4 ranks:
 For ``tools/megatron_gpt``'s ``GPTModelPipe`` at PP 2 × TP 2 and at PP 2 × TP 1 × DP 2 (bf16,
 ZeRO-1): train two steps, save, train on (the uninterrupted run); resume a fresh engine with
 ``load_checkpoint`` and train the same batches; convert the save with ``ds_to_universal`` and
-load it with ``load_universal`` into other layouts of the 4 ranks and train on. A ckptstore
-commit of the state saved is materialized (compared file by file with the save) and resumed
-from, restored into a fresh engine of the same layout, and exported; a restore into the other
-layouts is tried first (refused today). At PP 2 × TP 2, step 4 is committed saving one block
-alone (a composite), materialized, and resumed from. Each rank writes what it observed to
+load it with ``load_universal`` into other layouts of the 4 ranks, save again and train on. A
+ckptstore commit of the state saved is materialized (compared file by file with the save) and
+resumed from, restored into a fresh engine of the same layout, and exported; it is restored
+into each of the other layouts too (a reshard), saved again (compared tensor for tensor with
+the universal load's save) and trained on. At PP 2 × TP 2, step 4 is committed saving one
+block alone (a composite), materialized, and resumed from. Each rank writes what it observed to
 ``RESULT.<rank>.json``; the pytest side asserts on it. At PP 2 × TP 2, the final norm (an
 averaged parameter) is let drift apart on TP rank 1 before the save and the commit.
 """
@@ -149,16 +150,13 @@ def resumed(
     universal: bool = False,
     resave: Path | None = None,
     store=None,
-    refused_by=None,
     tag: str | None = TAG,
     data: list = DATA[4:8],
 ) -> dict:
     """A fresh engine of ``layout`` (another seed: nothing of its own survives a load) loaded
     from ``checkpoint``'s ``tag`` (or restored from ``store``'s step 2, and saved again to
-    ``resave``), then trained on ``data`` (the next two steps). What ``refused_by`` (a store) does when
-    asked to restore its step 2 into this engine first is recorded too."""
+    ``resave``), then trained on ``data`` (the next two steps)."""
     engine = megatron_gpt.build_engine(*layout, seed=1, **(UNIVERSAL if universal else {}))
-    restore = {} if refused_by is None else {"restore": refused(lambda: refused_by.restore(engine, step=2))}
     try:
         if store is not None:
             store.restore(engine, step=2)
@@ -170,16 +168,7 @@ def resumed(
     except Exception as error:  # DeepSpeed refusing a layout is a result, not a crash of the job
         run = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
     destroy_engine(engine)
-    return {**run, **restore}
-
-
-def refused(call) -> dict:
-    """The error ``call`` raises (type and message), or None."""
-    try:
-        call()
-    except Exception as error:  # recorded, asserted on by the test
-        return {"error": type(error).__name__, "message": str(error)}
-    return {"error": None}
+    return run
 
 
 AVERAGED = "6.weight"  # the final norm, a parameter_to_average_patterns one in GPTModelPipe's info
@@ -238,7 +227,7 @@ def note(what: str) -> None:
 def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, int, int]]) -> dict:
     """Train ``layout`` two steps, commit, save and go on; resume it natively, from the
     materialized commit and by a restore; convert to universal and load that into each of
-    ``targets``."""
+    ``targets``, and restore the commit into each of them."""
     root.mkdir(parents=True, exist_ok=True)
     saved = root / "deepspeed"
     note(f"{layout} build")
@@ -294,7 +283,9 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         }  # fmt: skip
     note(f"{layout} universal")
     run["universal_resumed"] = {
-        "x".join(map(str, target)): resumed(target, root / "universal", universal=True, refused_by=store)
+        layout_name(target): resumed(
+            target, root / "universal", universal=True, resave=root / f"universal-{layout_name(target)}"
+        )
         for target in targets
     }
     if layout == (2, 2, 1):  # and load_universal of the store's own universal checkpoint of it
@@ -302,7 +293,44 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         run["universal_from_store_resumed"] = resumed(
             (2, 1, 2), root / "universal-materialized", universal=True, tag=None
         )  # tag None: the folder latest_universal names
+    run["restored_elsewhere"] = restored_elsewhere(root, store, targets)
     return run
+
+
+def layout_name(layout: tuple[int, int, int]) -> str:
+    return "x".join(map(str, layout))
+
+
+def restored_elsewhere(root: Path, store, targets: list[tuple[int, int, int]]) -> dict:
+    """Step 2 restored into a fresh engine of each of ``targets`` (another P × T × D: a reshard),
+    saved again and trained on; on rank 0, what differs between that save and the save of the
+    engine ``load_universal`` filled from ``ds_to_universal`` of DeepSpeed's own save (the
+    ``universal_resumed`` runs, saved to ``universal-<target>``), tensor for tensor, and the
+    optimizer's step counters of both."""
+    note(f"{root.name} restore into {', '.join(map(layout_name, targets))}")
+    runs = {layout_name(target): resumed(target, None, store=store, resave=root / f"restored-{layout_name(target)}")
+            for target in targets}  # fmt: skip
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for target, run in runs.items():
+            ours, theirs = root / f"restored-{target}" / TAG, root / f"universal-{target}" / TAG
+            run["differences"] = (
+                differences(ours, theirs) if ours.exists() and theirs.exists() else ["not saved"]
+            )
+            run["steps"] = {how: optimizer_steps(folder) for how, folder in (("restored", ours), ("universal", theirs))
+                            if folder.exists()}  # fmt: skip
+    return runs
+
+
+def optimizer_steps(folder: Path) -> dict:
+    """The step counters of a save's optimizer files, file by file (plain ints, which a tensor
+    comparison passes over): the base optimizer's per flat fp32 group, and its param_groups'."""
+    steps = {"state": [], "param_groups": []}
+    for path in sorted(folder.glob("*optim_states.pt")):
+        base = torch.load(path, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
+        steps["state"] += [state["step"] for state in base["state"].values()]
+        steps["param_groups"] += [group.get("step") for group in base["param_groups"]]
+    return steps
 
 
 def main() -> None:

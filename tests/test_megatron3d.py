@@ -1,12 +1,14 @@
 """Megatron-DeepSpeed's 3D setting (issue 47): ``tools/megatron_gpt``'s ``GPTModelPipe`` is a
 model DeepSpeed's own machinery saves, converts and resumes, and ckptstore commits, materializes
-and restores in the same layout as DeepSpeed's own save, composes a step from two, and exports
-as the universal checkpoint's fp32 tensors.
+and restores in the same layout as DeepSpeed's own save, restores into other layouts as
+DeepSpeed's universal checkpoint does, composes a step from two, and exports as the universal
+checkpoint's fp32 tensors.
 
 One ``torch.distributed.run`` job of 4 ranks (tests/megatron3d_worker.py) trains PP 2 × TP 2
 and PP 2 × TP 1 × DP 2 (bf16, ZeRO-1), saves, resumes with ``load_checkpoint``, converts with
 ``ds_to_universal`` and loads that with ``load_universal`` into other layouts; a ckptstore
-commit of the same state is materialized and restored beside it. Every test here reads what
+commit of the same state is materialized and restored beside it, into the same layout and
+into the others. Every test here reads what
 it observed.
 """
 
@@ -22,6 +24,8 @@ from tools.engines import free_port
 
 WORKER = Path(__file__).with_name("megatron3d_worker.py")
 RANKS = 4
+# (source, target): each step's layout, and the other layouts the job loads it into
+RESHARDS = [("2x2x1", "1x1x4"), ("2x2x1", "2x1x2"), ("2x2x1", "1x2x2"), ("2x1x2", "2x2x1")]
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +112,7 @@ def test_ds_to_universal_joins_every_kind_of_split_of_the_3d_step(observed):
     assert sorted(universal) == sorted(observed[0]["2x1x2"]["universal"])  # one model, any split
 
 
-@pytest.mark.parametrize(
-    "source, target", [("2x2x1", "1x1x4"), ("2x2x1", "2x1x2"), ("2x2x1", "1x2x2"), ("2x1x2", "2x2x1")]
-)
+@pytest.mark.parametrize("source, target", RESHARDS)
 def test_load_universal_of_a_3d_step_trains_on_in_another_layout(observed, source, target):
     for rank in observed:
         run = rank[source]["universal_resumed"][target]
@@ -214,20 +216,28 @@ def test_export_of_a_3d_step_is_the_universal_checkpoints_fp32_in_the_model_dtyp
     assert tensors["2.mlp.dense_h_to_4h.weight"]["shape"] == [128, 32]
 
 
-@pytest.mark.parametrize(
-    "source, target", [("2x2x1", "1x1x4"), ("2x2x1", "2x1x2"), ("2x2x1", "1x2x2"), ("2x1x2", "2x2x1")]
-)
-def test_restoring_a_3d_step_into_another_layout_or_into_3d_from_another_is_refused_naming_it(
+@pytest.mark.parametrize("source, target", RESHARDS)
+def test_a_3d_step_restored_into_another_layout_equals_deepspeeds_universal_checkpoint(
     observed, source, target
 ):
-    # not yet (issue 47's next step): refused before the engine is touched, which the
-    # universal load that follows in the same engine shows
+    # PP 2 x TP 2 into PP 1 x TP 1 x DP 4, PP 2 x TP 1 x DP 2 and PP 1 x TP 2 x DP 2, and
+    # PP 2 x TP 1 x DP 2 into PP 2 x TP 2: the vocabulary repadded for the engine's degree (52 rows
+    # to 50, 50 to 52), SwiGLU's sub-parameters and the row-parallel weights cut anew, the tied
+    # embedding on every stage holding it, averaged and replicated parameters on every TP rank.
+    # Saved again, every tensor (module weights, fp32 master partitions, exp_avg, exp_avg_sq)
+    # equals the save of the engine load_universal filled from ds_to_universal of DeepSpeed's
+    # own save, and so do the optimizer's step counters
+    restored = observed[0][source]["restored_elsewhere"][target]
+    assert "error" not in restored, restored.get("traceback")
+    assert restored["differences"] == []
+    steps = restored["steps"]
+    assert steps["restored"] == steps["universal"]
+    assert steps["restored"]["state"] and set(steps["restored"]["state"]) == {2}
+    # and both train on to the same losses, on every rank
     for rank in observed:
-        run = rank[source]["universal_resumed"][target]
-        refusal = run["restore"]
-        assert refusal["error"] == "UnsupportedError"
-        assert "restoring a pipeline with tensor-parallel stages into another layout" in refusal["message"]
-        assert "error" not in run and all(math.isfinite(loss) for loss in run["losses"])
+        run, universal = rank[source]["restored_elsewhere"][target], rank[source]["universal_resumed"][target]
+        assert run["global_steps"] == universal["global_steps"] == 2
+        assert run["losses"] == universal["losses"]
 
 
 @pytest.mark.parametrize("layout", ["2x2x1", "2x1x2"])

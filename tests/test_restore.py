@@ -103,6 +103,12 @@ def test_restore_takes_a_step_the_load_options_and_refuses_what_it_cannot_restor
     with pytest.raises(BadInputError, match="committed by a ZeRO-2 engine.*this one runs ZeRO-3.*unchanged"):
         store.restore(other_stage, 3)
     destroy_engine(other_stage)
+    # an engine that loads universal checkpoints reads nothing else: refused before it is touched
+    universal = build_engine("llama", zero_stage=2, dtype="bf16", seed=6, num_layers=2,
+                             checkpoint={"load_universal": True})  # fmt: skip
+    with pytest.raises(BadInputError, match='"load_universal": true.*the engine is unchanged'):
+        store.restore(universal, 3)
+    destroy_engine(universal)
     store.gc(keep_last=1, keep_weights_every=2, grace=0)
     with pytest.raises(WeightsOnlyError):
         store.restore(module_only, 2)

@@ -67,8 +67,9 @@ class RankShare:
     """The checkpoint files one rank of a job reads, built in memory: ``files`` maps each file
     name to its object (``write.Writer``'s, placeholders where stored tensors go), or to None
     for the files other ranks read. ``rank`` is its data-parallel rank, ``mp_rank`` its
-    model-parallel one (a pipeline stage). ``fill`` then reads into the placeholders only the elements
-    of stored tensors this rank's files hold.
+    model-parallel one (a pipeline stage), ``slices`` its stage's tensor-parallel degree (whose
+    layer files a re-cut description, one rank's part, lists by name). ``fill`` then reads
+    into the placeholders only the elements of stored tensors this rank's files hold.
 
     ``skip_module_weights`` (kept as an attribute) leaves the module weights that are fp32
     masters cast down unread, for the caller to derive after the load; ``into``
@@ -85,6 +86,7 @@ class RankShare:
         skip_module_weights: bool,
         into: dict[tuple, torch.Tensor] | None = None,
         mp_rank: int = 0,
+        slices: int = 1,
     ) -> None:
         writer = StepWriter(description, tensors, world_size, into, mp_ranks=[mp_rank])
         self.files: dict[str, object | None] = {
@@ -102,7 +104,7 @@ class RankShare:
         # (layer_XX-*model_states.pt) and opens the first only to look for an mp_world_size in
         # it (SDLoaderBase.check_ckpt_list); listed fewer than its TP degree, it would split
         # this rank's file among them.
-        for names in parallel.layer_file_names(description).values():
+        for names in parallel.layer_file_names(description, slices).values():
             for name in names:
                 self.files.setdefault(name, None)
             if self.files[names[0]] is None and any(name in own for name in names):

@@ -111,7 +111,7 @@ _TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
 _SUB_PARAMS = "parameter_with_sub_params"
 _UNSUPPORTED = "autotp_unsupported_parameter_patterns"
 _VOCABULARY = "vocabulary_parameter_patterns"
-_ORIGINAL_VOCAB = "original_vocab_size"
+ORIGINAL_VOCAB = "original_vocab_size"
 
 
 _PIPELINE_REPLICATED = "pipeline_replicated_parameter_patterns"
@@ -152,7 +152,7 @@ def universal_info_problem(info: object) -> str | None:
     for entry in entries:
         if (problem := _sub_param_problem(entry)) is not None:
             return f"{_SUB_PARAMS} has an entry {problem} ({entry!r:.120})"
-    for key in (_ORIGINAL_VOCAB, _PADDED_VOCAB):
+    for key in (ORIGINAL_VOCAB, _PADDED_VOCAB):
         if key in info and not (type(info[key]) is int and info[key] > 0):
             return f"{key} is no positive int ({info[key]!r:.80})"
     version = info.get(_VERSION, 0.0)
@@ -330,7 +330,7 @@ def mark_vocabulary(params: dict[str, dict], info: dict | None) -> None:
     hold, what a materialize writes back); the rows past ``original_vocab_size`` are padding,
     which ``ds_to_universal`` leaves out and so do ``state_dict`` and ``export``. BadInputError
     where ``info`` gives more rows than the parameter has."""
-    rows = info.get(_ORIGINAL_VOCAB) if isinstance(info, dict) else None
+    rows = info.get(ORIGINAL_VOCAB) if isinstance(info, dict) else None
     if type(rows) is not int:
         return
     for name, entry in params.items():
@@ -339,7 +339,7 @@ def mark_vocabulary(params: dict[str, dict], info: dict | None) -> None:
                 raise BadInputError(
                     f"universal_checkpoint_info's original_vocab_size is {rows}, {name} has {entry['shape'][0]} rows"
                 )
-            entry[_ORIGINAL_VOCAB] = rows
+            entry[ORIGINAL_VOCAB] = rows
 
 
 def combine(parts: list[dict]) -> dict:
@@ -397,12 +397,23 @@ def rank_description(description: dict, mp_rank: int) -> dict:
     return own
 
 
-def layer_file_names(description: dict) -> dict[str, list[str]]:
+def layer_file_names(description: dict, slices: int = 1) -> dict[str, list[str]]:
     """A pipeline step's layer files by layer (``layer_XX``), each layer's in the order
-    DeepSpeed's glob sorts them (by tensor-parallel rank); empty for a step of no pipeline."""
+    DeepSpeed's glob sorts them (by tensor-parallel rank); empty for a step of no pipeline.
+    For one rank's part (a step re-cut for an engine, ``reshard.recut``), its own layer files
+    and those of the other ``slices`` - 1 tensor-parallel ranks of its stage, named as
+    DeepSpeed names them (``layer_XX-model_YY``, the grid's ``model`` coordinate)."""
+    parallel = description.get("model_parallel", {})
     names: dict[str, set[str]] = {}
-    for own in description.get("model_parallel", {}).get("ranks", []):
-        for name, _ in own["model_parallel"].get("layer_files", []):
+    if "ranks" not in parallel:
+        own = f"-model_{parallel.get('slice', 0):02d}-"
+        for name, _ in parallel.get("layer_files", []):
+            siblings = (
+                [name.replace(own, f"-model_{t:02d}-") for t in range(slices)] if own in name else [name]
+            )
+            names.setdefault(name.split("-", 1)[0], set()).update(siblings)
+    for part in parallel.get("ranks", []):
+        for name, _ in part["model_parallel"].get("layer_files", []):
             names.setdefault(name.split("-", 1)[0], set()).add(name)
     return {layer: sorted(files) for layer, files in names.items()}
 
@@ -415,10 +426,9 @@ def tensor_size(description: dict) -> int:
 
 def same_split(description: dict, engine: Any, what: str) -> bool:
     """Whether ``engine`` splits its model as the step's engine did (as many pipeline stages
-    and tensor-parallel slices); False for another number of stages, or another degree of
-    tensor parallelism, which a restore reshards. BadInputError where one is a pipeline and
-    the other not: their modules differ. UnsupportedError for a pipeline of tensor-parallel
-    stages (Megatron's 3D) into another layout, or such a layout from another."""
+    and tensor-parallel slices); False for another number of stages, another degree of tensor
+    parallelism or both (Megatron's 3D into another P x T), which a restore reshards.
+    BadInputError where one is a pipeline and the other not: their modules differ."""
     was, now = size(description), int(getattr(engine, "mp_world_size", 1))
     was_pipeline = description.get("model_parallel", {}).get("pipeline", False)
     if was_pipeline != is_pipeline(engine):
@@ -427,13 +437,4 @@ def same_split(description: dict, engine: Any, what: str) -> bool:
             f"{what} was committed by {kind[was_pipeline]}, this is {kind[is_pipeline(engine)]}: their "
             "modules name their parameters differently; export the weights (ckptstore export) to move them"
         )
-    was_tp, now_tp = tensor_size(description), tensor_degree(engine)
-    if (was, was_tp) == (now, now_tp):
-        return True
-    if was_pipeline and max(was_tp, now_tp) > 1:
-        raise UnsupportedError(
-            f"{what} is a pipeline of {was // was_tp} stages x TP {was_tp}, this engine {now // now_tp} x TP "
-            f"{now_tp}: restoring a pipeline with tensor-parallel stages into another layout is not "
-            "supported yet (ds_to_universal + load_universal of a materialized step can)"
-        )
-    return False
+    return (was, tensor_size(description)) == (now, tensor_degree(engine))
