@@ -25,6 +25,7 @@ import torch
 
 from .. import tensorsplit
 from ..errors import BadInputError, CorruptError, UnsupportedError
+from ..format import plainstate
 from ..format.codec import DTYPES
 from ..model import FP32, WEIGHT
 from . import parallel
@@ -39,7 +40,7 @@ def split_info(stored: dict) -> dict:
     step's own (a Megatron client's ``universal_checkpoint_info`` names its parameters by
     pattern, whatever the degree); empty where the step has none."""
     model_state = parallel.rank_description(stored, 0)["model_state"]
-    info = model_state.get(parallel.UNIVERSAL_INFO)
+    info = plainstate.from_plain(model_state.get(parallel.UNIVERSAL_INFO))  # its tuples as tuples
     parallel.check_universal_info(info, CorruptError)  # read from the store: not trusted
     return {parallel.UNIVERSAL_INFO: info} if isinstance(info, dict) else {}
 
