@@ -8,7 +8,8 @@ Modes:
   commit-loop           commit steps 1, 2, 3, ... forever (print "ready" after the first); killed by the test
   commit-n N DUMPS      commit N steps (every third one partial), saving each step's state to DUMPS/<step>.pt
   commit-async-exit     start a non-blocking commit of step 1 and exit normally right away
-  gc-loop SECONDS       run gc(keep_last=3, grace=0) over and over for SECONDS
+  gc-loop SECONDS [UNTIL]  run gc(keep_last=3, grace=0) over and over for SECONDS, or until the
+                        file UNTIL exists (what a commit-n writes last), whichever comes first
   gc-die-after N        gc(keep_last=1, grace=0), dying after N blob deletions
   race SEED DUMPS       build an engine from SEED (print "ready"), then for each step read on stdin:
                         train a batch, commit it, print "won STEP" (saving the state to
@@ -101,10 +102,10 @@ def commit_async_and_exit(store) -> None:
     sys.exit(0)  # a normal exit, so atexit handlers run
 
 
-def gc_loop(store, seconds: float) -> None:
+def gc_loop(store, seconds: float, until: Path | None = None) -> None:
     end = time.time() + seconds
     runs = 0
-    while time.time() < end:
+    while time.time() < end and not (until and until.exists()):
         store.gc(keep_last=3, grace=0)
         runs += 1
     print(f"gc runs: {runs}", flush=True)
@@ -165,7 +166,7 @@ def main() -> None:
     elif mode == "commit-async-exit":
         commit_async_and_exit(store)
     elif mode == "gc-loop":
-        gc_loop(store, float(args[0]))
+        gc_loop(store, float(args[0]), Path(args[1]) if len(args) > 1 else None)
     elif mode == "gc-die-after":
         gc_die_after(store, int(args[0]))
     elif mode == "race":

@@ -280,7 +280,8 @@ def test_gc_and_commits_in_parallel_processes_lose_nothing(tmp_path):
     ckptstore.open(store_path).close()
     committer = subprocess.Popen([sys.executable, str(WORKER), "commit-n", str(store_path), "10", str(dumps)],
                                  stderr=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
-    collector = subprocess.Popen([sys.executable, str(WORKER), "gc-loop", str(store_path), "25"],
+    last = str(dumps / "10.pt")  # gc runs over and over until the committer has saved its last step
+    collector = subprocess.Popen([sys.executable, str(WORKER), "gc-loop", str(store_path), "120", last],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
     assert committer.wait(timeout=300) == 0, committer.stderr.read()[-3000:]
     out, err = collector.communicate(timeout=300)
