@@ -5,7 +5,9 @@
 Modes:
   die-at STAGE          commit step 1, then die (os._exit) at STAGE of committing step 2:
                         blob (after some blobs), manifest (before the catalog row), catalog (inside it)
-  commit-loop           commit steps 1, 2, 3, ... forever (print "ready" after the first); killed by the test
+  commit-loop [--wait]  commit steps 1, 2, 3, ... forever (print "ready" after the first); killed by the test.
+                        --wait: build the engine, then open the store only once a line comes on stdin
+                        (a process started ahead, while the test still works on the store)
   commit-n N DUMPS      commit N steps (every third one partial), saving each step's state to DUMPS/<step>.pt
   commit-async-exit     start a non-blocking commit of step 1 and exit normally right away
   gc-loop SECONDS [UNTIL]  run gc(keep_last=3, grace=0) over and over for SECONDS, or until the
@@ -71,8 +73,11 @@ def die_at(store, stage: str) -> None:
     store.commit(eng, step=2)
 
 
-def commit_loop(store) -> None:
+def commit_loop(open_store, wait: bool = False) -> None:
     eng = engine()
+    if wait:
+        sys.stdin.readline()
+    store = open_store()
     data = batches(1000)
     step = 0
     while True:
@@ -155,12 +160,12 @@ def main() -> None:
     import ckptstore
 
     logger.setLevel(logging.ERROR)
-    mode, store = sys.argv[1], ckptstore.open(sys.argv[2])
-    args = sys.argv[3:]
+    mode, args = sys.argv[1], sys.argv[3:]
+    if mode == "commit-loop":  # opens the store itself, once its engine is built
+        commit_loop(lambda: ckptstore.open(sys.argv[2]), wait="--wait" in args)
+    store = ckptstore.open(sys.argv[2])
     if mode == "die-at":
         die_at(store, args[0])
-    elif mode == "commit-loop":
-        commit_loop(store)
     elif mode == "commit-n":
         commit_n(store, int(args[0]), Path(args[1]))
     elif mode == "commit-async-exit":

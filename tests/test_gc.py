@@ -255,22 +255,31 @@ def test_a_commit_killed_at_any_stage_leaves_the_previous_step_and_its_own_only_
 def test_kill_9_during_commits_never_leaves_a_broken_step(tmp_path):
     rng = random.Random(7)
     store_path = tmp_path / "store"
-    for trial in range(4):
-        proc = subprocess.Popen([sys.executable, str(WORKER), "commit-loop", str(store_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env())  # fmt: skip
-        while (line := proc.stdout.readline()) and line.strip() != "ready":
-            pass  # DeepSpeed's own start-up lines
-        assert line.strip() == "ready"
-        time.sleep(rng.uniform(0.0, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        store = ckptstore.open(store_path)
-        report = store.verify()
-        assert report.ok, (trial, [p.describe() for p in report.problems], report.catalog_problems)
-        for step in store.steps()[-2:]:
-            store.materialize(step, tmp_path / "out", force=True)
-        store.gc(keep_last=0, grace=0, allow_empty=True)  # next trial starts from an empty store
-        store.close()
+    # The four committers start at once and build their engines side by side; each opens the
+    # store only when its trial begins (a line on its stdin).
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "commit-loop", str(store_path), "--wait"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=child_env()) for _ in range(4)]  # fmt: skip
+    try:
+        for trial, proc in enumerate(procs):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            while (line := proc.stdout.readline()) and line.strip() != "ready":
+                pass  # DeepSpeed's own start-up lines
+            assert line.strip() == "ready"
+            time.sleep(rng.uniform(0.0, 1.5))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            store = ckptstore.open(store_path)
+            report = store.verify()
+            assert report.ok, (trial, [p.describe() for p in report.problems], report.catalog_problems)
+            for step in store.steps()[-2:]:
+                store.materialize(step, tmp_path / "out", force=True)
+            store.gc(keep_last=0, grace=0, allow_empty=True)  # next trial starts from an empty store
+            store.close()
+    finally:
+        for proc in procs:
+            proc.kill()  # none outlives a failed trial (a no-op once it has ended)
 
 
 @pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
