@@ -226,14 +226,34 @@ def test_verify_detects_truncation_trailing_garbage_and_a_pack_under_another_nam
 # -- crashes and concurrency -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["blob", "manifest", "catalog"])
-@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
+DIE_AT = ["blob", "manifest", "catalog"]
+
+
+@pytest.fixture(scope="module")
+def killed_commits(tmp_path_factory, store_key) -> dict[str, tuple[Path, int, str]]:
+    """A die-at worker per stage, the three started together (each its own interpreter and
+    store): each stage's store, exit code and stderr."""
+    root = tmp_path_factory.mktemp("die-at")
+    procs = {}
+    for stage in DIE_AT:
+        with open(root / f"{stage}.err", "w") as err:  # a file: no pipe to fill while another is awaited
+            procs[stage] = subprocess.Popen([sys.executable, str(WORKER), "die-at", str(root / stage), stage],
+                                            stdout=subprocess.DEVNULL, stderr=err, env=child_env())  # fmt: skip
+    try:
+        codes = {stage: proc.wait(timeout=300) for stage, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()  # none outlives a timeout (a no-op once it has ended)
+    return {stage: (root / stage, codes[stage], (root / f"{stage}.err").read_text()) for stage in DIE_AT}
+
+
+@pytest.mark.parametrize("stage", DIE_AT)
+@pytest.mark.either_key(job="killed_commits")  # one set of workers, with a key or without (conftest)
 def test_a_commit_killed_at_any_stage_leaves_the_previous_step_and_its_own_only_once_its_manifest_is_written(
-    tmp_path, stage
+    killed_commits, tmp_path, stage
 ):
-    store_path = tmp_path / "store"
-    result = worker("die-at", store_path, stage)
-    assert result.returncode == 9, result.stderr[-3000:]
+    store_path, returncode, stderr = killed_commits[stage]
+    assert returncode == 9, stderr[-3000:]
     store = ckptstore.open(store_path)
     # The manifest is the commit point: killed before it, step 2 is not there; after it, it is.
     assert store.steps() == ([1] if stage == "blob" else [1, 2])
