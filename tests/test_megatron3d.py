@@ -8,8 +8,9 @@ One ``torch.distributed.run`` job of 4 ranks (tests/megatron3d_worker.py) trains
 and PP 2 × TP 1 × DP 2 (bf16, ZeRO-1), saves, resumes with ``load_checkpoint``, converts with
 ``ds_to_universal`` and loads that with ``load_universal`` into other layouts; a ckptstore
 commit of the same state is materialized and restored beside it, into the same layout and
-into the others. Every test here reads what
-it observed.
+into the others. PP 2 × TP 2 at fp32 ZeRO-1 and fp32 ZeRO-0 is committed behind
+training (``blocking=False``), materialized and restored beside DeepSpeed's own save and
+resume. Every test here reads what it observed.
 """
 
 import json
@@ -272,3 +273,38 @@ def test_load_universal_of_the_stores_universal_checkpoint_of_a_3d_step_trains_a
         assert "error" not in ours, ours.get("traceback")
         assert ours["global_steps"] == 2
         assert ours["losses"] == run["universal_resumed"]["2x1x2"]["losses"]
+
+
+# PP 2 x TP 2 in the other dtypes and ZeRO stages: (name, the optimizer files save_checkpoint
+# writes beside the model-states files, or none where the optimizer is inside them)
+VARIANTS = [("fp32-zero1", "zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt"), ("fp32-zero0", None)]
+
+
+@pytest.mark.parametrize("variant, optim", VARIANTS)
+def test_a_3d_step_committed_behind_training_materializes_deepspeeds_own_files_bit_equal(
+    observed, variant, optim
+):
+    # store.commit(engine, 2, blocking=False), then save_checkpoint, then two more steps of
+    # training before the handle's result: materialize of step 2 writes every file of the save,
+    # under its names, every tensor bit for bit (at ZeRO 0 torch's AdamW state is in the mp_rank
+    # files)
+    run = observed[0]["variants"][variant]
+    assert run["committed"] == {"handle": "CommitHandle", "step": 2}
+    layers = [f"layer_{index:02d}-model_{tp:02d}-model_states.pt" for index in range(1, 7) for tp in (0, 1)]
+    model = [f"mp_rank_{mp:02d}_model_states.pt" for mp in range(4)]
+    assert run["files"] == sorted(layers + model + ([optim.format(mp) for mp in range(4)] if optim else []))
+    assert run["materialized_differences"] == []
+
+
+@pytest.mark.parametrize("variant", [name for name, _ in VARIANTS])
+def test_a_3d_step_committed_behind_training_restores_and_trains_as_deepspeeds_own_resume(observed, variant):
+    # a fresh PP 2 x TP 2 engine restored from the store trains the next two steps to the losses
+    # of a fresh engine resumed with load_checkpoint from DeepSpeed's own save, which are the
+    # uninterrupted run's
+    for rank in observed:
+        run = rank["variants"][variant]
+        assert "error" not in run["restored"], run["restored"].get("traceback")
+        assert run["restored"]["global_steps"] == 2
+        assert run["restored"]["losses"] == run["continued"]
+        assert run["resumed"]["global_steps"] == 2
+        assert run["resumed"]["losses"] == run["continued"]
