@@ -11,8 +11,8 @@ ckptstore commit of the state saved is materialized (compared file by file with 
 resumed from, restored into a fresh engine of the same layout, and exported; it is restored
 into each of the other layouts too (a reshard), saved again (compared tensor for tensor with
 the universal load's save) and trained on. At PP 2 × TP 2, step 4 is committed saving one
-block alone (a composite), materialized, and resumed from. PP 2 × TP 2 at fp32 ZeRO-1 and fp32
-ZeRO-0 (``VARIANTS``) is committed behind training, materialized (compared file
+block alone (a composite), materialized, and resumed from. PP 2 × TP 2 at fp32 ZeRO-1, fp32
+ZeRO-0 and bf16 ZeRO-0 (``VARIANTS``) is committed behind training, materialized (compared file
 by file with the save of the same state), and restored and resumed beside DeepSpeed's own
 resume. Each rank writes what it observed to
 ``RESULT.<rank>.json``; the pytest side asserts on it.
@@ -287,8 +287,8 @@ def optimizer_steps(folder: Path) -> dict:
 
 # PP 2 × TP 2 in the other dtypes and ZeRO stages DeepSpeed saves otherwise: fp32 ZeRO-1
 # (zero_pp_rank_D_mp_rank_XX files of DeepSpeedZeroOptimizer), fp32 ZeRO-0 (the plain torch
-# optimizer inside the mp_rank files)
-VARIANTS = {"fp32-zero1": ("fp32", 1), "fp32-zero0": ("fp32", 0)}
+# optimizer inside the mp_rank files), bf16 ZeRO-0 (BF16_Optimizer, bf16 gradient accumulation)
+VARIANTS = {"fp32-zero1": ("fp32", 1), "fp32-zero0": ("fp32", 0), "bf16-zero0": ("bf16", 0)}
 
 
 def variants(root: Path) -> dict:

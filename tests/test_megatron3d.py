@@ -8,7 +8,7 @@ One ``torch.distributed.run`` job of 4 ranks (tests/megatron3d_worker.py) trains
 and PP 2 × TP 1 × DP 2 (bf16, ZeRO-1), saves, resumes with ``load_checkpoint``, converts with
 ``ds_to_universal`` and loads that with ``load_universal`` into other layouts; a ckptstore
 commit of the same state is materialized and restored beside it, into the same layout and
-into the others. PP 2 × TP 2 at fp32 ZeRO-1 and fp32 ZeRO-0 is committed behind
+into the others. PP 2 × TP 2 at fp32 ZeRO-1, fp32 ZeRO-0 and bf16 ZeRO-0 is committed behind
 training (``blocking=False``), materialized and restored beside DeepSpeed's own save and
 resume. Every test here reads what it observed.
 """
@@ -277,7 +277,8 @@ def test_load_universal_of_the_stores_universal_checkpoint_of_a_3d_step_trains_a
 
 # PP 2 x TP 2 in the other dtypes and ZeRO stages: (name, the optimizer files save_checkpoint
 # writes beside the model-states files, or none where the optimizer is inside them)
-VARIANTS = [("fp32-zero1", "zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt"), ("fp32-zero0", None)]
+VARIANTS = [("fp32-zero1", "zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt"), ("fp32-zero0", None),
+            ("bf16-zero0", "bf16_zero_pp_rank_0_mp_rank_{:02d}_optim_states.pt")]  # fmt: skip
 
 
 @pytest.mark.parametrize("variant, optim", VARIANTS)
@@ -286,8 +287,8 @@ def test_a_3d_step_committed_behind_training_materializes_deepspeeds_own_files_b
 ):
     # store.commit(engine, 2, blocking=False), then save_checkpoint, then two more steps of
     # training before the handle's result: materialize of step 2 writes every file of the save,
-    # under its names, every tensor bit for bit (at ZeRO 0 torch's AdamW state is in the mp_rank
-    # files)
+    # under its names, every tensor bit for bit (at ZeRO 0 the optimizer is in the mp_rank files:
+    # fp32's torch AdamW, bf16's BF16_Optimizer state as well as in its bf16_zero files)
     run = observed[0]["variants"][variant]
     assert run["committed"] == {"handle": "CommitHandle", "step": 2}
     layers = [f"layer_{index:02d}-model_{tp:02d}-model_states.pt" for index in range(1, 7) for tp in (0, 1)]
@@ -306,5 +307,11 @@ def test_a_3d_step_committed_behind_training_restores_and_trains_as_deepspeeds_o
         assert "error" not in run["restored"], run["restored"].get("traceback")
         assert run["restored"]["global_steps"] == 2
         assert run["restored"]["losses"] == run["continued"]
+        if variant == "bf16-zero0" and "error" in run["resumed"]:
+            # DeepSpeed 0.19 cannot load its own save of BF16_Optimizer at ZeRO 0: it hands the
+            # mp_rank file's optimizer state to load_state_dict, which indexes it by
+            # data-parallel rank; ckptstore's restore gives it the rank's state so
+            assert run["resumed"]["error"] == "KeyError: 0"
+            continue
         assert run["resumed"]["global_steps"] == 2
         assert run["resumed"]["losses"] == run["continued"]
