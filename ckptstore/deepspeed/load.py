@@ -287,7 +287,11 @@ def start_module_weights(engine: Any, flavour: str) -> Callable[[], None]:
         own = parts[comm.get_rank(group=process_group)]
         own.data.copy_(master.data)
         if comm.get_world_size(group=process_group) > 1:
-            handles.append(comm.all_gather_into_tensor(flats[group], own, group=process_group, async_op=True))
+            # .data: gloo's all-gather copies into views of the flat buffer on its own thread,
+            # where autograd refuses that for a buffer that requires grad (BF16_Optimizer's at ZeRO 0)
+            handles.append(
+                comm.all_gather_into_tensor(flats[group].data, own.data, group=process_group, async_op=True)
+            )
 
     def wait() -> None:
         for handle in handles:
