@@ -7,6 +7,7 @@ one job runs every configuration, since each start costs a fresh interpreter per
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
