@@ -47,7 +47,8 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", line)
     config.addinivalue_line(
         "markers",
-        "either_key: in the KEYED_SUITE, run once, with a key or without (alternating), not both",
+        "either_key: in the KEYED_SUITE, each parameter set runs once, with a key or without"
+        " (alternating), not both",
     )
 
 
@@ -95,7 +96,9 @@ def zero1_engine():
 # test_catalog_sync, test_dcp_store's s3-with-key). The rest of the DeepSpeed suite (compose,
 # export, background commits, many ranks, streaming, weights-only, files, strategies) reads and
 # writes through the same content-key and manifest-tag code, so it runs once (issue 48: the
-# whole suite twice took a third of CI).
+# whole suite twice took a third of CI). Within these modules, the multi-process jobs and the
+# matrices of engine configurations (ZeRO stage x dtype x model, whose bytes a key hashes like
+# any other) are ``either_key``: each configuration once, the modes alternating across them.
 KEYED_SUITE = {"test_store_deepspeed", "test_restore", "test_gc", "test_store_s3"}
 
 
@@ -106,9 +109,11 @@ def pytest_generate_tests(metafunc):
 
 def pytest_collection_modifyitems(config, items):
     """Of each ``either_key`` test of the KEYED_SUITE (multi-process jobs, the slowest of the
-    suite), keep one mode: with a key and without alternate from one such test (or parameter
-    set) to the next in each module, so both modes still run every kind of job, and the
-    module's other tests run both. Each mode alone costs these tests as much as both did."""
+    suite, and the engine-configuration matrices), keep one mode: with a key and without
+    alternate from one such test (or parameter set) to the next in each module, so both modes
+    still run every kind of job and configurations of every matrix, and the module's other
+    tests run both. Each mode alone costs these tests as much as both did. Tests marked
+    ``either_key(job=NAME)`` read one shared job, so they are kept in the same mode."""
     keep, dropped, seen = [], [], {}
     for item in items:
         mode = getattr(getattr(item, "callspec", None), "params", {}).get("store_key")
@@ -116,8 +121,10 @@ def pytest_collection_modifyitems(config, items):
             keep.append(item)
             continue
         others = tuple((k, repr(v)) for k, v in item.callspec.params.items() if k != "store_key")
-        group = (item.module.__name__, item.originalname, others)
-        wanted = seen.setdefault(group, "key" if sum(g[0] == group[0] for g in seen) % 2 == 0 else "no-key")
+        job = item.get_closest_marker("either_key").kwargs.get("job")
+        group = (item.module.__name__, job, ()) if job else (item.module.__name__, item.originalname, others)
+        n = sum(g[0] == group[0] for g in seen)  # key, no-key, no-key, key, ...: a matrix's
+        wanted = seen.setdefault(group, "key" if (n + n // 2) % 2 == 0 else "no-key")  # last axis gets both
         (keep if mode == wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -5,10 +5,13 @@
 Modes:
   die-at STAGE          commit step 1, then die (os._exit) at STAGE of committing step 2:
                         blob (after some blobs), manifest (before the catalog row), catalog (inside it)
-  commit-loop           commit steps 1, 2, 3, ... forever (print "ready" after the first); killed by the test
+  commit-loop [--wait]  commit steps 1, 2, 3, ... forever (print "ready" after the first); killed by the test.
+                        --wait: build the engine, then open the store only once a line comes on stdin
+                        (a process started ahead, while the test still works on the store)
   commit-n N DUMPS      commit N steps (every third one partial), saving each step's state to DUMPS/<step>.pt
   commit-async-exit     start a non-blocking commit of step 1 and exit normally right away
-  gc-loop SECONDS       run gc(keep_last=3, grace=0) over and over for SECONDS
+  gc-loop SECONDS [UNTIL]  run gc(keep_last=3, grace=0) over and over for SECONDS, or until the
+                        file UNTIL exists (what a commit-n writes last), whichever comes first
   gc-die-after N        gc(keep_last=1, grace=0), dying after N blob deletions
   race SEED DUMPS       build an engine from SEED (print "ready"), then for each step read on stdin:
                         train a batch, commit it, print "won STEP" (saving the state to
@@ -70,8 +73,11 @@ def die_at(store, stage: str) -> None:
     store.commit(eng, step=2)
 
 
-def commit_loop(store) -> None:
+def commit_loop(open_store, wait: bool = False) -> None:
     eng = engine()
+    if wait:
+        sys.stdin.readline()
+    store = open_store()
     data = batches(1000)
     step = 0
     while True:
@@ -101,10 +107,10 @@ def commit_async_and_exit(store) -> None:
     sys.exit(0)  # a normal exit, so atexit handlers run
 
 
-def gc_loop(store, seconds: float) -> None:
+def gc_loop(store, seconds: float, until: Path | None = None) -> None:
     end = time.time() + seconds
     runs = 0
-    while time.time() < end:
+    while time.time() < end and not (until and until.exists()):
         store.gc(keep_last=3, grace=0)
         runs += 1
     print(f"gc runs: {runs}", flush=True)
@@ -154,18 +160,18 @@ def main() -> None:
     import ckptstore
 
     logger.setLevel(logging.ERROR)
-    mode, store = sys.argv[1], ckptstore.open(sys.argv[2])
-    args = sys.argv[3:]
+    mode, args = sys.argv[1], sys.argv[3:]
+    if mode == "commit-loop":  # opens the store itself, once its engine is built
+        commit_loop(lambda: ckptstore.open(sys.argv[2]), wait="--wait" in args)
+    store = ckptstore.open(sys.argv[2])
     if mode == "die-at":
         die_at(store, args[0])
-    elif mode == "commit-loop":
-        commit_loop(store)
     elif mode == "commit-n":
         commit_n(store, int(args[0]), Path(args[1]))
     elif mode == "commit-async-exit":
         commit_async_and_exit(store)
     elif mode == "gc-loop":
-        gc_loop(store, float(args[0]))
+        gc_loop(store, float(args[0]), Path(args[1]) if len(args) > 1 else None)
     elif mode == "gc-die-after":
         gc_die_after(store, int(args[0]))
     elif mode == "race":

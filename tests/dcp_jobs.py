@@ -24,6 +24,8 @@ Subcommands (every one but tp-load-nodist also runs as a plain ``python`` proces
   rowwise down), one AdamW step, DCP save; FILE gets the full tensors.
 * ``tp-load-nodist --load SPEC --out FILE``: the same MLP, unparallelised, loaded with
   ``no_dist=True`` in a single process that never initialises torch.distributed.
+* ``sequence FILE``: the subcommands FILE lists (a JSON list of argument lists, each with its own
+  ``--result``) one after another in this one job: each interpreter start costs seconds.
 
 Dump files (``torch.save``, read with ``weights_only=True``) hold ``{"model": {fqn: tensor},
 "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}}``: the
@@ -150,6 +152,8 @@ def init_distributed() -> int:
     """gloo process group (world size 1 when not launched by torchrun); returns the world size."""
     import torch.distributed as dist
 
+    if dist.is_initialized():  # the commands of a ``sequence`` share one process group
+        return dist.get_world_size()
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -403,9 +407,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, sequence: bool = False) -> None:
     import torch.distributed as dist
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sequence"]:
+        for each in json.loads(Path(argv[1]).read_text()):
+            main(each, sequence=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
     args = parser().parse_args(argv)
     torch.use_deterministic_algorithms(True)  # raises on a nondeterministic op rather than drift
     result = args.run(args)
@@ -413,7 +424,8 @@ def main(argv: list[str] | None = None) -> None:
         result["world_size"] = dist.get_world_size()
         write_result(args.result, result)
         dist.barrier()  # nobody exits (tearing down gloo) while another rank still needs it
-        dist.destroy_process_group()
+        if not sequence:
+            dist.destroy_process_group()
     else:
         write_result(args.result, result | {"world_size": 1})
 

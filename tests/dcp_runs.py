@@ -55,6 +55,22 @@ def run_job(args: list[Any], nproc: int | None, tmp_path: Path, timeout: float =
     return json.loads(result.read_text())
 
 
+def run_jobs(jobs: list[list[Any]], nproc: int, tmp_path: Path, timeout: float = 900) -> list[dict]:
+    """Run several tests/dcp_jobs.py subcommands one after another in one job of ``nproc`` ranks
+    (``dcp_jobs.py sequence``: one interpreter start per rank, not one per subcommand); the JSON
+    result each wrote. Fails the test, with the job's output, unless the job exits 0."""
+    results = [tmp_path / f"result-{next(_results)}.json" for _ in jobs]
+    spec = tmp_path / f"sequence-{next(_results)}.json"
+    commands = [[*map(str, args), "--result", str(r)] for args, r in zip(jobs, results, strict=True)]
+    spec.write_text(json.dumps(commands))
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    command = [sys.executable, *launcher, "--master_port", str(free_port()), str(JOBS), "sequence", str(spec)]
+    proc = subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=timeout)
+    names = " + ".join(str(args[0]) for args in jobs)
+    assert proc.returncode == 0, f"{names} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads(r.read_text()) for r in results]
+
+
 def assert_same_state(expected: Any, actual: Any, path: str = "") -> int:
     """Nested dicts/lists of tensors and plain values are equal: tensors by dtype, shape and
     ``torch.equal`` (bit-for-bit), everything else by ``==``. Returns the number of tensors."""

@@ -11,7 +11,10 @@ ckptstore commit of the state saved is materialized (compared file by file with 
 resumed from, restored into a fresh engine of the same layout, and exported; it is restored
 into each of the other layouts too (a reshard), saved again (compared tensor for tensor with
 the universal load's save) and trained on. At PP 2 × TP 2, step 4 is committed saving one
-block alone (a composite), materialized, and resumed from. Each rank writes what it observed to
+block alone (a composite), materialized, and resumed from. PP 2 × TP 2 at fp32 ZeRO-1, fp32
+ZeRO-0 and bf16 ZeRO-0, and PP 2 × TP 1 × DP 2 at bf16 ZeRO-0 (``VARIANTS``) is committed behind training, materialized (compared file
+by file with the save of the same state), and restored and resumed beside DeepSpeed's own
+resume. Each rank writes what it observed to
 ``RESULT.<rank>.json``; the pytest side asserts on it. At PP 2 × TP 2, the final norm (an
 averaged parameter) is let drift apart on TP rank 1 before the save and the commit.
 """
@@ -333,6 +336,66 @@ def optimizer_steps(folder: Path) -> dict:
     return steps
 
 
+# PP 2 × TP 2 in the other dtypes and ZeRO stages DeepSpeed saves otherwise: fp32 ZeRO-1
+# (zero_pp_rank_D_mp_rank_XX files of DeepSpeedZeroOptimizer), fp32 ZeRO-0 (the plain torch
+# optimizer inside the mp_rank files), bf16 ZeRO-0 (BF16_Optimizer, bf16 gradient accumulation),
+# and bf16 ZeRO-0 with data parallelism in a stage (PP 2 × TP 1 × DP 2)
+VARIANTS = {
+    "fp32-zero1": ((2, 2, 1), "fp32", 1), "fp32-zero0": ((2, 2, 1), "fp32", 0),
+    "bf16-zero0": ((2, 2, 1), "bf16", 0), "bf16-zero0-dp2": ((2, 1, 2), "bf16", 0),
+}  # fmt: skip
+
+
+def variants(root: Path) -> dict:
+    """Each of ``VARIANTS`` (``variant``)."""
+    return {name: variant(root / name, *how) for name, how in VARIANTS.items()}
+
+
+def variant(root: Path, layout: tuple[int, int, int], dtype: str, zero_stage: int) -> dict:
+    """Train ``layout`` two steps, commit behind training (``blocking=False``), save and train
+    on; materialize the commit (compared file by file with the save) and resume a fresh engine
+    from DeepSpeed's save and another by a restore from the store, each trained two steps."""
+    root.mkdir(parents=True, exist_ok=True)
+    options, saved = {"dtype": dtype, "zero_stage": zero_stage}, root / "deepspeed"
+    note(f"{root.name} train and commit behind it")
+    engine = megatron_gpt.build_engine(*layout, seed=0, **options)
+    run = {"losses": megatron_gpt.train(engine, DATA[:4])}
+    store = open_store(root)
+    handle = store.commit(engine, step=2, blocking=False)
+    engine.save_checkpoint(str(saved), tag=TAG)
+    run["continued"] = megatron_gpt.train(engine, DATA[4:8])
+    run["committed"] = {"handle": type(handle).__name__, "step": handle.result().step}
+    destroy_engine(engine)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        run["files"] = sorted(path.name for path in (saved / TAG).iterdir())
+        store.materialize(2, root / "materialized")
+        run["materialized_differences"] = differences(root / "materialized" / TAG, saved / TAG)
+    dist.barrier()
+    note(f"{root.name} resume and restore")
+    run["resumed"] = variant_resumed(layout, options, checkpoint=saved)
+    run["restored"] = variant_resumed(layout, options, store=store)
+    return run
+
+
+def variant_resumed(
+    layout: tuple[int, int, int], options: dict, checkpoint: Path | None = None, store=None
+) -> dict:
+    """A fresh engine of ``layout`` and ``options`` (another seed) loaded from ``checkpoint``
+    or restored from ``store``'s step 2, then trained the next two steps."""
+    engine = megatron_gpt.build_engine(*layout, seed=1, **options)
+    try:
+        if store is not None:
+            store.restore(engine, step=2)
+        else:
+            engine.load_checkpoint(str(checkpoint), tag=TAG)
+        run = {"global_steps": engine.global_steps, "losses": megatron_gpt.train(engine, DATA[4:8])}
+    except Exception as error:  # a refusal is a result, not a crash of the job
+        run = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+    destroy_engine(engine)
+    return run
+
+
 def main() -> None:
     root, result = Path(sys.argv[1]), sys.argv[2]
     setup_single_process_env()
@@ -342,6 +405,7 @@ def main() -> None:
         # PP × TP × DP
         "2x2x1": scenario(root / "2x2x1", (2, 2, 1), [(1, 1, 4), (2, 1, 2), (1, 2, 2)]),
         "2x1x2": scenario(root / "2x1x2", (2, 1, 2), [(2, 2, 1)]),
+        "variants": variants(root / "variants"),
     }
     observed["seconds"] = time.monotonic() - started
     Path(f"{result}.{dist.get_rank()}.json").write_text(json.dumps(observed, default=str))

@@ -3,11 +3,11 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/model_parallel_worker.py MODE ROOT RESULT
 
 Each rank writes what it observed to ``RESULT.<rank>.json``; the pytest side asserts on it.
+MODE may name several modes, comma-separated (tests/dist_worker.py's ``run_modes``).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from tests.dist_worker import run_modes  # noqa: E402
 from tools import megatron_style  # noqa: E402
 from tools.engines import (  # noqa: E402
     batches,
@@ -336,8 +337,7 @@ MODES = {
 
 def main() -> None:
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    observed = MODES[mode](root)
-    Path(f"{result}.{rank()}.json").write_text(json.dumps(observed))
+    run_modes(MODES, mode, root, result)
     import torch.distributed as dist
 
     dist.destroy_process_group()

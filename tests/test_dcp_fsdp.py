@@ -14,7 +14,7 @@ import torch
 
 import ckptstore
 from ckptstore.dcp.naming import STATE_LAYER
-from tests.dcp_runs import assert_same_state, load, run_job
+from tests.dcp_runs import assert_same_state, load, run_job, run_jobs
 
 N, K = 3, 2  # steps before the save, steps after it
 BLOCKS = [f"model.layers.{i}" for i in range(4)]
@@ -22,21 +22,23 @@ BLOCKS = [f"model.layers.{i}" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The same 2-rank job twice: N steps, saved into a store (step N) and into a DCP directory,
-    then K more steps."""
+    """The same 2-rank training twice (one after the other in one job): N steps, saved into a
+    store (step N) and into a DCP directory, then K more steps."""
     root = tmp_path_factory.mktemp("dcp-store")
-    jobs = {}
-    for name, spec in (("store", f"store:{root / 'store'}:{N}"), ("fs", f"fs:{root / 'fs'}")):
-        args = ["train-save", "--steps", N, "--then", K, "--save", spec, "--dump", root / f"{name}.pt"]
-        jobs[name] = run_job(args, 2, root)
+    names = {"store": f"store:{root / 'store'}:{N}", "fs": f"fs:{root / 'fs'}"}
+    runs = [["train-save", "--steps", N, "--then", K, "--save", spec, "--dump", root / f"{name}.pt"]
+            for name, spec in names.items()]  # fmt: skip
+    jobs = dict(zip(names, run_jobs(runs, 2, root), strict=True))
     assert jobs["store"]["losses"] == jobs["fs"]["losses"]
     return root, jobs["store"]
 
 
 def test_resuming_from_the_store_trains_as_resuming_from_dcps_own_directory(saved, tmp_path):
     root, trained = saved
-    from_store = run_job(["resume", "--load", f"store:{root / 'store'}:{N}", "--steps", K], 2, tmp_path)
-    from_fs = run_job(["resume", "--load", f"fs:{root / 'fs'}", "--steps", K], 2, tmp_path)
+    from_store, from_fs = run_jobs(  # one job, resuming from each in turn
+        [["resume", "--load", f"store:{root / 'store'}:{N}", "--steps", K],
+         ["resume", "--load", f"fs:{root / 'fs'}", "--steps", K]], 2, tmp_path,
+    )  # fmt: skip
     assert from_store["losses"] == from_fs["losses"]
     assert from_store["losses"] == trained["losses"][N:]  # and as the run that never stopped
 
@@ -67,17 +69,12 @@ def test_the_rest_of_the_store_sees_an_fsdp2_step_like_any_other(saved):
 
 def test_a_composite_step_loads_its_blocks_from_itself_and_the_rest_from_the_earlier_step(tmp_path):
     store = tmp_path / "store"
-    run_job(
-        ["train-save", "--steps", 3, "--save", f"store:{store}:3", "--dump", tmp_path / "three.pt"],
-        2,
-        tmp_path,
-    )
+    three = ["train-save", "--steps", 3, "--save", f"store:{store}:3", "--dump", tmp_path / "three.pt"]
     again = ["train-save", "--steps", 3, "--save", f"store:{store}:4", "--dump", tmp_path / "again.pt"]
-    run_job(again, 2, tmp_path)
     layers = "model.layers.1,model.layers.3"
     five = ["train-save", "--steps", 5, "--save", f"store:{store}:5:{layers}", "--dump", tmp_path / "five.pt"]
-    run_job(five, 2, tmp_path)
-    run_job(["dump-full", "--load", f"store:{store}:5", "--out", tmp_path / "loaded.pt"], 2, tmp_path)
+    loaded = ["dump-full", "--load", f"store:{store}:5", "--out", tmp_path / "loaded.pt"]
+    run_jobs([three, again, five, loaded], 2, tmp_path)  # one job, the four in turn
 
     three, five, loaded = (
         load(tmp_path / "three.pt"),

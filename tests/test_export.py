@@ -8,6 +8,7 @@ unexpected keys.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,35 @@ def test_steps_committed_on_two_ranks_export_like_deepspeeds_consolidation(tmp_p
             assert all(torch.equal(ours[name], reference[name]) for name in reference), (model, stage)
             loaded = load_pretrained(store.export(2, root / "out").path, torch.bfloat16)
         assert all(torch.equal(loaded[n], reference[n].to(torch.bfloat16)) for n in reference), (model, stage)
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_and_materialize_write_the_same_bytes_on_one_thread_as_on_every_core(
+    committed, tmp_path, monkeypatch
+):
+    from ckptstore.export import folder
+    from ckptstore.format import planes
+
+    _, store, _ = committed
+    monkeypatch.setattr(planes, "PIECE", 1000)  # many pieces, decoded on the threads in turn
+    used = []
+
+    def write_files(*args):
+        used.append(args[-1])
+        return original(*args)
+
+    original = folder.write_files
+    monkeypatch.setattr(folder, "write_files", write_files)
+    written = {}
+    for cores in ({0}, set(range(24))):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: cores)
+        out = tmp_path / str(len(cores))
+        for dtype in ("bfloat16", "float32"):
+            store.export(2, out / dtype, dtype=dtype)
+        store.materialize(2, out / "deepspeed")
+        written[len(cores)] = _tree_bytes(out)
+    assert used == [2, 2, 24, 24]  # no cap of 4: min(io_threads, a core each and one more)
+    assert written[1] == written[24] and len(written[1]) > 4

@@ -226,14 +226,34 @@ def test_verify_detects_truncation_trailing_garbage_and_a_pack_under_another_nam
 # -- crashes and concurrency -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["blob", "manifest", "catalog"])
-@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
+DIE_AT = ["blob", "manifest", "catalog"]
+
+
+@pytest.fixture(scope="module")
+def killed_commits(tmp_path_factory, store_key) -> dict[str, tuple[Path, int, str]]:
+    """A die-at worker per stage, the three started together (each its own interpreter and
+    store): each stage's store, exit code and stderr."""
+    root = tmp_path_factory.mktemp("die-at")
+    procs = {}
+    for stage in DIE_AT:
+        with open(root / f"{stage}.err", "w") as err:  # a file: no pipe to fill while another is awaited
+            procs[stage] = subprocess.Popen([sys.executable, str(WORKER), "die-at", str(root / stage), stage],
+                                            stdout=subprocess.DEVNULL, stderr=err, env=child_env())  # fmt: skip
+    try:
+        codes = {stage: proc.wait(timeout=300) for stage, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()  # none outlives a timeout (a no-op once it has ended)
+    return {stage: (root / stage, codes[stage], (root / f"{stage}.err").read_text()) for stage in DIE_AT}
+
+
+@pytest.mark.parametrize("stage", DIE_AT)
+@pytest.mark.either_key(job="killed_commits")  # one set of workers, with a key or without (conftest)
 def test_a_commit_killed_at_any_stage_leaves_the_previous_step_and_its_own_only_once_its_manifest_is_written(
-    tmp_path, stage
+    killed_commits, tmp_path, stage
 ):
-    store_path = tmp_path / "store"
-    result = worker("die-at", store_path, stage)
-    assert result.returncode == 9, result.stderr[-3000:]
+    store_path, returncode, stderr = killed_commits[stage]
+    assert returncode == 9, stderr[-3000:]
     store = ckptstore.open(store_path)
     # The manifest is the commit point: killed before it, step 2 is not there; after it, it is.
     assert store.steps() == ([1] if stage == "blob" else [1, 2])
@@ -255,22 +275,31 @@ def test_a_commit_killed_at_any_stage_leaves_the_previous_step_and_its_own_only_
 def test_kill_9_during_commits_never_leaves_a_broken_step(tmp_path):
     rng = random.Random(7)
     store_path = tmp_path / "store"
-    for trial in range(4):
-        proc = subprocess.Popen([sys.executable, str(WORKER), "commit-loop", str(store_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=child_env())  # fmt: skip
-        while (line := proc.stdout.readline()) and line.strip() != "ready":
-            pass  # DeepSpeed's own start-up lines
-        assert line.strip() == "ready"
-        time.sleep(rng.uniform(0.0, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        store = ckptstore.open(store_path)
-        report = store.verify()
-        assert report.ok, (trial, [p.describe() for p in report.problems], report.catalog_problems)
-        for step in store.steps()[-2:]:
-            store.materialize(step, tmp_path / "out", force=True)
-        store.gc(keep_last=0, grace=0, allow_empty=True)  # next trial starts from an empty store
-        store.close()
+    # The four committers start at once and build their engines side by side; each opens the
+    # store only when its trial begins (a line on its stdin).
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "commit-loop", str(store_path), "--wait"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=child_env()) for _ in range(4)]  # fmt: skip
+    try:
+        for trial, proc in enumerate(procs):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            while (line := proc.stdout.readline()) and line.strip() != "ready":
+                pass  # DeepSpeed's own start-up lines
+            assert line.strip() == "ready"
+            time.sleep(rng.uniform(0.0, 1.5))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            store = ckptstore.open(store_path)
+            report = store.verify()
+            assert report.ok, (trial, [p.describe() for p in report.problems], report.catalog_problems)
+            for step in store.steps()[-2:]:
+                store.materialize(step, tmp_path / "out", force=True)
+            store.gc(keep_last=0, grace=0, allow_empty=True)  # next trial starts from an empty store
+            store.close()
+    finally:
+        for proc in procs:
+            proc.kill()  # none outlives a failed trial (a no-op once it has ended)
 
 
 @pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
@@ -280,7 +309,8 @@ def test_gc_and_commits_in_parallel_processes_lose_nothing(tmp_path):
     ckptstore.open(store_path).close()
     committer = subprocess.Popen([sys.executable, str(WORKER), "commit-n", str(store_path), "10", str(dumps)],
                                  stderr=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
-    collector = subprocess.Popen([sys.executable, str(WORKER), "gc-loop", str(store_path), "25"],
+    last = str(dumps / "10.pt")  # gc runs over and over until the committer has saved its last step
+    collector = subprocess.Popen([sys.executable, str(WORKER), "gc-loop", str(store_path), "120", last],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
     assert committer.wait(timeout=300) == 0, committer.stderr.read()[-3000:]
     out, err = collector.communicate(timeout=300)

@@ -7,7 +7,6 @@ one job runs every configuration, since each start costs a fresh interpreter per
 import dataclasses
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,12 +15,12 @@ import torch
 
 import ckptstore
 from ckptstore.errors import BadInputError, UnsupportedError
+from tests.test_many_ranks import torchrun_modes
 from tools.engines import (
     batches,
     build_engine,
     build_pipeline_engine,
     destroy_engine,
-    free_port,
     train_pipeline,
 )
 
@@ -32,20 +31,22 @@ from model_parallel_worker import universal_unlike  # noqa: E402
 
 def torchrun(mode: str, root: Path, nproc: int = 2) -> list[dict]:
     """Run one worker mode on ``nproc`` ranks; returns each rank's observations."""
-    result = root / "result"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-         "--master_port", str(free_port()), str(WORKER), mode, str(root), str(result)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads(Path(f"{result}.{rank}.json").read_text()) for rank in range(nproc)]
+    return torchrun_modes([mode], root, nproc, worker=WORKER, timeout=900)[mode]
 
 
 @pytest.fixture(scope="module")
-def two_stage_pipeline(tmp_path_factory) -> tuple[Path, list[dict]]:
-    root = tmp_path_factory.mktemp("pipeline")
-    return root, torchrun("pipeline", root)
+def two_rank_job(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    """One job of 2 ranks for every two-rank scenario here (the two-stage pipeline, the pipeline
+    resharded, tensor parallelism), each in its own folder: each start costs a fresh
+    interpreter per rank."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    return root, torchrun_modes(["pipeline", "reshard", "tensor_parallel"], root, worker=WORKER, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def two_stage_pipeline(two_rank_job) -> tuple[Path, list[dict]]:
+    root, observed = two_rank_job
+    return root / "pipeline", observed["pipeline"]
 
 
 CONFIGS = ["zero1-fp32", "zero1-bf16", "zero0-fp32"]
@@ -97,9 +98,9 @@ def test_a_pipeline_layer_is_a_layer_index_and_a_composite_takes_each_from_its_s
 
 
 def test_a_pipeline_step_restored_into_another_number_of_stages_equals_deepspeeds_universal_checkpoint(
-    tmp_path,
+    two_rank_job,
 ):
-    observed = torchrun("reshard", tmp_path)
+    observed = two_rank_job[1]["reshard"]
     for config in ("2to1-bf16", "1to2-fp32"):
         assert observed[0][config]["differences"] == [], config
         # the weights out, whatever the split, are the universal checkpoint's full tensors
@@ -130,13 +131,13 @@ def test_a_tensor_parallel_engine_without_autotp_or_universal_info_is_refused_na
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel(tmp_path_factory) -> tuple[Path, dict]:
-    """One job of 2 ranks: AutoTP-2 steps (ZeRO 1 fp32, ZeRO 2 bf16), steps of a Megatron-style
-    model with its own mpu (ZeRO 1 fp32) and of AutoTP's Phi-3, whose fused ``qkv_proj`` of
-    grouped-query attention is cut unevenly per sub-parameter (ZeRO 1 fp32), resumed, then each
-    kind resharded to 1 and from 1."""
-    root = tmp_path_factory.mktemp("tensor_parallel")
-    return root, torchrun("tensor_parallel", root)
+def tensor_parallel(two_rank_job) -> tuple[Path, dict]:
+    """AutoTP-2 steps (ZeRO 1 fp32, ZeRO 2 bf16), steps of a Megatron-style model with its own
+    mpu (ZeRO 1 fp32) and of AutoTP's Phi-3, whose fused ``qkv_proj`` of grouped-query attention
+    is cut unevenly per sub-parameter (ZeRO 1 fp32), resumed, then each kind resharded to 1 and
+    from 1 (the two-rank job's "tensor_parallel" mode)."""
+    root, observed = two_rank_job
+    return root / "tensor_parallel", observed["tensor_parallel"]
 
 
 TP_CONFIGS = [

@@ -3,6 +3,8 @@ materialized directory would leave it, each rank reading only its share."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,6 +58,7 @@ def own_memory(engine) -> list[int]:
 
 
 @pytest.mark.parametrize("stage,dtype", CONFIGS, ids=[f"zero{s}-{d}" for s, d in CONFIGS])
+@pytest.mark.either_key  # each configuration with a key or without, alternating (conftest)
 def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(tmp_path, stage, dtype):
     store = ckptstore.open(tmp_path / "store")
     engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
@@ -116,22 +119,32 @@ def test_restore_takes_a_step_the_load_options_and_refuses_what_it_cannot_restor
         destroy_engine(e)
 
 
-@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
-def test_restore_across_world_sizes_1_to_2_2_to_2_and_2_to_1(tmp_path):
-    from tests.test_many_ranks import torchrun
+@pytest.fixture(scope="module")
+def two_rank_restores(tmp_path_factory, store_key) -> tuple[Path, dict[str, list[dict]]]:
+    """One two-rank job for both multi-rank restore scenarios: "restore" (the one-rank commits
+    of every configuration, made here first, and the job's own, restored on two ranks), then
+    "restore_fail" (a rank failing mid-restore); each in its own folder of the root."""
+    from tests.test_many_ranks import torchrun_modes
 
+    root = tmp_path_factory.mktemp("restores")
     for stage, dtype in CONFIGS:  # the one-rank commits the two-rank job restores
         engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
         train(engine, DATA[:3])
-        ckptstore.open(tmp_path / f"zero{stage}-{dtype}" / "store1").commit(engine, 3)
+        ckptstore.open(root / "restore" / f"zero{stage}-{dtype}" / "store1").commit(engine, 3)
         destroy_engine(engine)
-    for rank, observed in enumerate(torchrun("restore", tmp_path)):
+    return root, torchrun_modes(["restore", "restore_fail"], root)
+
+
+@pytest.mark.either_key(job="two_rank_restores")  # one job, with a key or without (conftest)
+def test_restore_across_world_sizes_1_to_2_2_to_2_and_2_to_1(two_rank_restores, tmp_path):
+    root, observed_by_mode = two_rank_restores
+    for rank, observed in enumerate(observed_by_mode["restore"]):
         assert len(observed) == 2 * len(CONFIGS)
         for case, run in observed.items():
             assert run["step"] == 3 and run["optimizer_equal"], (rank, case)
             assert run["restored"] == run["loaded"], (rank, case)
     for stage, dtype in CONFIGS:  # 2 -> 1
-        store = ckptstore.open(tmp_path / f"zero{stage}-{dtype}" / "store2")
+        store = ckptstore.open(root / "restore" / f"zero{stage}-{dtype}" / "store2")
         loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2)
         loaded.load_checkpoint(str(store.materialize(3, tmp_path / f"w1-{stage}-{dtype}", world_size=1)))
         restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2)
@@ -146,11 +159,9 @@ def test_restore_across_world_sizes_1_to_2_2_to_2_and_2_to_1(tmp_path):
         destroy_engine(restored)
 
 
-@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
-def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_says_what_it_left(tmp_path):
-    from tests.test_many_ranks import torchrun
-
-    rank0, rank1 = torchrun("restore_fail", tmp_path)
+@pytest.mark.either_key(job="two_rank_restores")  # one job, with a key or without (conftest)
+def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_says_what_it_left(two_rank_restores):
+    rank0, rank1 = two_rank_restores[1]["restore_fail"]
     left = {
         "masters": " (the engine's module weights are unchanged, its fp32 masters and optimizer state"
         " may be partly overwritten: restore again before training)",

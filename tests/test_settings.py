@@ -6,7 +6,10 @@ no setting is one warning line naming the close one. No engine is needed: the ch
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,3 +168,28 @@ def test_every_argument_of_open_is_held_to_the_range_of_its_setting(
     with pytest.raises(BadInputError, match="create must be True or False"):
         ckptstore.open(store, create="no")
     ckptstore.open(store, local=tier, local_upload="drain", s3_timeout=2.5, local_keep=0).close()
+
+
+def test_thread_counts_follow_the_cores_this_process_may_use_with_the_settings_as_caps(monkeypatch):
+    for cores in ({0}, {1, 3}, set(range(24))):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: cores)
+        assert knobs.cpu_threads() == len(cores)
+        assert knobs.export_threads() == len(cores) + 1  # no fixed cap (it was 4)
+        assert knobs.io_threads() == max(8, len(cores))
+    monkeypatch.setenv("CKPTSTORE_CPU_THREADS", "3")
+    assert (knobs.cpu_threads(), knobs.export_threads(), knobs.io_threads()) == (3, 4, 8)
+    monkeypatch.setenv("CKPTSTORE_EXPORT_THREADS", "2")
+    assert knobs.export_threads() == 2
+
+
+def test_a_process_pinned_to_one_core_decodes_on_one_thread():
+    pinned = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from ckptstore import knobs; print(knobs.cpu_threads(), knobs.export_threads())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", pinned], capture_output=True, text=True, env=env, check=True
+    )
+    assert result.stdout.split() == ["1", "2"]

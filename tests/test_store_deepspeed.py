@@ -23,6 +23,7 @@ def module_weights(engine) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.either_key  # each configuration with a key or without, alternating (conftest)
 def test_resume_from_materialized_step_gives_the_uninterrupted_losses(tmp_path, model, stage, dtype):
     store = ckptstore.open(tmp_path / "store")
     engine = build_engine(model, zero_stage=stage, dtype=dtype, seed=0)
@@ -38,6 +39,7 @@ def test_resume_from_materialized_step_gives_the_uninterrupted_losses(tmp_path, 
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.either_key  # each configuration with a key or without, alternating (conftest)
 def test_composite_step_gives_each_layer_the_tensors_of_the_step_that_saved_it(tmp_path, stage):
     store = ckptstore.open(tmp_path / "store")
     engine = build_engine("llama", zero_stage=stage, dtype="bf16", seed=0, num_layers=4)

@@ -176,14 +176,22 @@ def test_accelerate_save_state_and_load_state_go_through_an_attached_store(tmp_p
     worker = Path(__file__).with_name("accelerate_worker.py")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT",)}  # each job its own port
 
-    def job(mode):
-        done = subprocess.run([sys.executable, str(worker), mode, str(tmp_path)], capture_output=True, text=True,
-                              env=env, timeout=300)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def start(mode):
+        return subprocess.Popen([sys.executable, str(worker), mode, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
 
-    assert job("save") == {"steps": [3], "pt": 0}
-    assert job("load-store")["losses"] == job("load-own")["losses"]
+    def result(job):
+        out, err = job.communicate(timeout=300)
+        assert job.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    assert result(start("save")) == {"steps": [3], "pt": 0}
+    loads = [start("load-store"), start("load-own")]  # the two loads side by side, one process each
+    try:
+        assert result(loads[0])["losses"] == result(loads[1])["losses"]
+    finally:
+        for job in loads:
+            job.kill()  # none outlives a failed assertion (a no-op once it has ended)
 
 
 def test_the_trainers_evaluation_metrics_are_recorded_with_each_save(tmp_path):

@@ -22,6 +22,7 @@ import torch
 
 from .. import knobs
 from ..errors import CorruptError
+from ..format.cast import cast
 from ..format.codec import DTYPES, raw_bytes
 from ..model import FP32, WEIGHT
 from ..progress import progress_bar
@@ -234,7 +235,10 @@ class Filler:
         """The flat module weight from element ``base`` on: ``master`` (those elements of the fp32
         master) cast down, overlaid with any weight stored apart."""
         fragments = self._tensors.fragments(name, WEIGHT)
-        weight = master.reshape(-1).to(DTYPES[self.params[name]["dtype"]], copy=bool(fragments))
+        dtype, flat = DTYPES[self.params[name]["dtype"]], master.reshape(-1)
+        # On this thread (``cast``): torch's own parallel cast would run on every core from
+        # each of the threads filling parameters at once.
+        weight = flat.clone() if fragments and flat.dtype == dtype else cast(flat, dtype)
         for start, fragment in fragments:
             first, last = max(start, base), min(start + fragment.numel(), base + weight.numel())
             if first < last:

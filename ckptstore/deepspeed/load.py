@@ -92,6 +92,7 @@ class RankShare:
         self.files: dict[str, object | None] = {
             name: obj if reader in (None, rank) else None for name, obj, (_, reader) in writer.files()
         }
+        _bf16_zero0_optimizer(description, self.files, rank, mp_rank)
         own = set(self.files)
         # DeepSpeed lists every model-parallel rank's model-states file and opens the first on
         # every rank, only to check their number against the mp_world_size saved in it.
@@ -160,6 +161,21 @@ class RankShare:
                 else:
                     add(segment.name, segment.kind, segment.source_start, end)
         return [(name, kind, lo, hi) for (name, kind), (lo, hi) in spans.items()]
+
+
+def _bf16_zero0_optimizer(
+    description: dict, files: dict[str, object | None], rank: int, mp_rank: int
+) -> None:
+    """BF16_Optimizer at ZeRO 0 (a pipeline's): DeepSpeed's load hands the model-states file's
+    ``optimizer`` (data-parallel rank 0's state, as saved) to ``BF16_Optimizer.load_state_dict``,
+    which indexes it by data-parallel rank as if it were ZeRO's list of files (DeepSpeed 0.19
+    fails so on its own save): this rank's own state goes there, under its rank."""
+    if description["flavour"] != BF16_OPTIMIZER or description["zero_stage"] != 0:
+        return
+    states = files[model_states_name(mp_rank)]
+    own = [obj for name, obj in files.items() if name.endswith("_optim_states.pt") and obj is not None]
+    if isinstance(states, dict) and len(own) == 1:
+        states["optimizer"] = {rank: own[0]["optimizer_state_dict"]}
 
 
 def load_from_memory(
@@ -271,7 +287,11 @@ def start_module_weights(engine: Any, flavour: str) -> Callable[[], None]:
         own = parts[comm.get_rank(group=process_group)]
         own.data.copy_(master.data)
         if comm.get_world_size(group=process_group) > 1:
-            handles.append(comm.all_gather_into_tensor(flats[group], own, group=process_group, async_op=True))
+            # .data: gloo's all-gather copies into views of the flat buffer on its own thread,
+            # where autograd refuses that for a buffer that requires grad (BF16_Optimizer's at ZeRO 0)
+            handles.append(
+                comm.all_gather_into_tensor(flats[group].data, own.data, group=process_group, async_op=True)
+            )
 
     def wait() -> None:
         for handle in handles:

@@ -169,7 +169,8 @@ class Writer:
         return [name for name, info in self.params.items() if not info["trainable"]]
 
     def model_state(self, rank: int, module: OrderedDict, optimizer) -> dict:
-        zero = self.flavour in (ZERO12, BF16_OPTIMIZER, ZERO3)
+        # DeepSpeed keys these on ZeRO being on: BF16_Optimizer at ZeRO 0 (a pipeline's) has none
+        zero = self.flavour in (ZERO12, BF16_OPTIMIZER, ZERO3) and self.stage > 0
         frozen = self.frozen_names()
         save_frozen = self.stage >= 2
         state = {
@@ -352,8 +353,11 @@ class Writer:
                         )
                     )
             else:
+                # BF16_Optimizer at ZeRO 0 (a pipeline's): DeepSpeed also saves the state of data
+                # parallel rank 0 (its own state_dict) in the model-states file
+                optimizer = optim_files[0] if self.flavour == BF16_OPTIMIZER and self.stage == 0 else None
                 files.append(
-                    (model_states_name(self.mp_rank), self.model_state(0, states_module, None), None)
+                    (model_states_name(self.mp_rank), self.model_state(0, states_module, optimizer), None)
                 )
         else:
             optimizer = zero0.optimizer_state(self.flavour, self.d, self.stored, self.flat)

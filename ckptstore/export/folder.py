@@ -110,9 +110,8 @@ def export(
             for filename, names in split.filename_to_tensors.items()
         }
         # Reads from a local store are mapped: CPU work, like decoding. More threads than the
-        # decoding slots and one fetching ahead would only wait for a slot and switch (the bench
-        # model's bf16 export: 0.21 s of CPU with 8 threads, 0.18 s with 3), and more than a
-        # few only wait for the GIL (knobs.export_threads).
+        # cores and one fetching ahead would only wait for a core and switch (the bench model's
+        # bf16 export: 0.21 s of CPU with 8 threads, 0.18 s with 3); knobs.export_threads caps it.
         threads = knobs.io_threads()
         if objects.reads_are_local:
             threads = min(threads, knobs.cpu_threads() + 1, knobs.export_threads())

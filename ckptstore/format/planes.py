@@ -17,7 +17,7 @@ from .. import knobs
 from ..errors import CorruptError
 from ..hashing import Digest
 from . import zstd
-from .cast import SERIAL_ELEMENTS
+from .cast import SERIAL_ELEMENTS, copy_serially, serial_views
 
 # A plane is compressed only if zstd shrinks a sample of it below this fraction.
 _PLANE_SAMPLE = 1 << 16
@@ -229,17 +229,30 @@ def join_planes(
     memory, low, high = _chunk_memory(itemsize)
     same = out.dtype == dtype
     target = out.view(torch.uint8).numpy().reshape(count, itemsize) if same else None
-    staged = None if same else torch.from_numpy(memory.reshape(-1)).view(dtype)
+    if not same:  # cast_into's copies, without its checks, the views made once a call
+        staged = _staged_views(memory, dtype)
+        outs = serial_views(out)
     for start in range(0, count, CHUNK):
         end = min(count, start + CHUNK)
         chunk = target[start:end] if same else memory[: end - start]
         _join_chunk([plane[start:end] for plane in planes], chunk, low, high)
         if digest is not None:
             digest.update(chunk)
-        if not same:  # cast_into's copies, without its checks and views every chunk
-            for first in range(start, end, SERIAL_ELEMENTS):
-                last = min(end, first + SERIAL_ELEMENTS)
-                out[first:last].copy_(staged[first - start : last - start])
+        if not same:
+            first = start // SERIAL_ELEMENTS  # CHUNK is a multiple of SERIAL_ELEMENTS
+            views = outs[first : first + CHUNK // SERIAL_ELEMENTS]
+            sources = staged[: len(views)]
+            if views[-1].numel() != SERIAL_ELEMENTS:
+                sources = [*sources[:-1], sources[-1][: views[-1].numel()]]
+            copy_serially(views, sources)
+
+
+def _staged_views(memory: np.ndarray, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``serial_views`` of this thread's chunk ``memory`` read as ``dtype``, kept with it."""
+    cache = _local.staged = getattr(_local, "staged", {})
+    if dtype not in cache:
+        cache[dtype] = serial_views(torch.from_numpy(memory.reshape(-1)).view(dtype))
+    return cache[dtype]
 
 
 def _join_chunk(planes: list[np.ndarray], chunk: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
