@@ -105,7 +105,7 @@ class Store(StoreQueries, TierVerbs):
         Raises ConflictError if the step exists, BadInputError (before any work) for a step
         outside 0..2**63-1, an ``engine`` that is no DeepSpeed engine, ``layers`` that are not
         names, unknown layers, a partial first commit, unusable files or a malformed
-        ``universal_checkpoint_info`` (``deepspeed.parallel.check_universal_info``), UnsupportedError for
+        ``universal_checkpoint_info`` (``deepspeed.universal_info.check_universal_info``), UnsupportedError for
         engines ckptstore cannot store, StorageError when the store or its catalog cannot be
         written (full disk, read-only). On any error nothing is recorded, except that a
         StorageError from recording the catalog's rows after the manifest leaves the step

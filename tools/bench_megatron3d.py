@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.bench import barrier_timed, dir_bytes, fsync_tree  # noqa: E402
-from tools.bench_model_parallel import to_universal  # noqa: E402
+from tools.bench_model_parallel import print_commit_rows, to_universal  # noqa: E402
 from tools.engines import destroy_engine, free_port  # noqa: E402
 from tools.megatron_gpt import Dims, batches, build_engine, train  # noqa: E402
 
@@ -125,12 +125,7 @@ def main() -> int:
             uc = convert + seconds_load
             print(f"\nGPTModelPipe PP2 x TP2, 4 ranks, bf16 ZeRO-1, {params / 1e6:.1f}M parameters on rank 0, "
                   f"median of {args.reps}; resharded into PP{pp} x TP{tp} x DP{dp}")  # fmt: skip
-            print("| operation | seconds | ratio |")
-            print("|---|---:|---:|")
-            print(f"| save_checkpoint, then fsync (durable) | {ds:.2f} | 1.00x |")
-            print(f"| commit (durable) | {commit:.2f} | {commit / ds:.2f}x |")
-            print(f"| bytes: save_checkpoint {ds_bytes / 2**20:.0f} MiB, store {store_bytes / 2**20:.0f} MiB "
-                  f"| | {store_bytes / ds_bytes:.3f}x |")  # fmt: skip
+            print_commit_rows(ds, commit, ds_bytes, store_bytes)
             print(
                 f"| ds_to_universal {convert:.2f} s + load_universal {seconds_load:.2f} s | {uc:.2f} | 1.00x |"
             )

@@ -75,6 +75,16 @@ def to_universal(checkpoint: Path, out: Path) -> None:
     (out / "latest").write_text(checkpoint.name)
 
 
+def print_commit_rows(ds: float, commit: float, ds_bytes: int, store_bytes: int) -> None:
+    """The table's head and its commit rows: seconds to durable and bytes, against DeepSpeed's save."""
+    print("| operation | seconds | ratio |")
+    print("|---|---:|---:|")
+    print(f"| save_checkpoint, then fsync (durable) | {ds:.2f} | 1.00x |")
+    print(f"| commit (durable) | {commit:.2f} | {commit / ds:.2f}x |")
+    print(f"| bytes: save_checkpoint {ds_bytes / 2**20:.0f} MiB, store {store_bytes / 2**20:.0f} MiB "
+          f"| | {store_bytes / ds_bytes:.3f}x |")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split", choices=sorted(SPLITS), default="pipeline")
@@ -139,12 +149,7 @@ def main() -> int:
             print(
                 f"\n{split['what']}, 2 ranks, bf16 ZeRO-1, {params / 1e6:.0f}M parameters on rank 0, median of {args.reps}"
             )
-            print("| operation | seconds | ratio |")
-            print("|---|---:|---:|")
-            print(f"| save_checkpoint, then fsync (durable) | {ds:.2f} | 1.00x |")
-            print(f"| commit (durable) | {commit:.2f} | {commit / ds:.2f}x |")
-            print(f"| bytes: save_checkpoint {ds_bytes / 2**20:.0f} MiB, store {store_bytes / 2**20:.0f} MiB "
-                  f"| | {store_bytes / ds_bytes:.3f}x |")  # fmt: skip
+            print_commit_rows(ds, commit, ds_bytes, store_bytes)
             print(f"| ds_to_universal {seconds_convert:.2f} s + load_universal {seconds_load:.2f} s "
                   f"(second copy: {universal_bytes / 2**20:.0f} MiB) | {uc:.2f} | 1.00x |")  # fmt: skip
             print(f"| restore into 1 way (resharded at read time, no copy) | {seconds_restore:.2f} "

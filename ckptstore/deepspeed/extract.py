@@ -17,7 +17,7 @@ from ..errors import BadInputError, UnsupportedError
 from ..format import plainstate
 from ..format.codec import dtype_name
 from ..model import BUFFER, FP32, WEIGHT, Piece, Snapshot
-from . import parallel
+from . import parallel, universal_info
 from .layout import (
     BASIC,
     BF16_OPTIMIZER,
@@ -236,11 +236,11 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     # save_checkpoint calls it for that); the module's state is the base engine's answer.
     module = _base_engine_class().module_state_dict(engine) if pipeline else engine.module_state_dict()
     model_state = engine._common_checkpoint_state(module, zero, save_frozen)
-    autotp_info = getattr(engine.module, parallel.UNIVERSAL_INFO, None)
+    autotp_info = getattr(engine.module, universal_info.UNIVERSAL_INFO, None)
     if autotp_info is not None:  # what AutoTP's save writes for ds_to_universal
-        model_state[parallel.UNIVERSAL_INFO] = autotp_info
+        model_state[universal_info.UNIVERSAL_INFO] = autotp_info
     model_state.update(client_state or {})
-    parallel.check_universal_info(model_state.get(parallel.UNIVERSAL_INFO))
+    universal_info.check_universal_info(model_state.get(universal_info.UNIVERSAL_INFO))
     osd = engine.optimizer.state_dict() if zero else model_state["optimizer"]
     rank = dp_rank(engine)
     world_size = model_state["dp_world_size"]
@@ -324,11 +324,11 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         # files hold this slice of the stage's layers.
         stage = part
         part, pieces = parallel.tensor_part(
-            engine, description, pieces, model_state.get(parallel.UNIVERSAL_INFO)
+            engine, description, pieces, model_state.get(universal_info.UNIVERSAL_INFO)
         )
         if stage is not None:
             part = {**stage, "slice": part["slice"]}
-    parallel.mark_vocabulary(description["params"], model_state.get(parallel.UNIVERSAL_INFO))
+    parallel.mark_vocabulary(description["params"], model_state.get(universal_info.UNIVERSAL_INFO))
     if part is None:
         return Snapshot(plainstate.to_plain(description), pieces, rank, world_size)
     description["model_parallel"] = part

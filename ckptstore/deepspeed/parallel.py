@@ -27,12 +27,13 @@ stage's layer files holding its slice.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from .. import tensorsplit
 from ..errors import BadInputError, CorruptError, UnsupportedError
+from ..format import plainstate
 from ..model import Piece
+from . import universal_info as info_keys
 
 # What a part describes of its model-parallel rank alone; the rest is the same on every rank.
 _OWN_KEYS = ("module_keys", "aliases", "groups", "model_state", "optimizer_state", "model_parallel")
@@ -101,107 +102,17 @@ def pipeline_part(engine: Any, module_keys: list[str]) -> tuple[dict, set[str]]:
     return part, others
 
 
-# DeepSpeed's universal-checkpoint vocabulary (deepspeed.checkpoint.constants).
-UNIVERSAL_INFO = "universal_checkpoint_info"
-_AUTOTP_META = "ds_autotp_universal_checkpoint_meta"
-_REPLICATED = "tp_replicated_parameter_patterns"
-_ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
-_AVERAGED = "parameter_to_average_patterns"
-_TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
-_SUB_PARAMS = "parameter_with_sub_params"
-_UNSUPPORTED = "autotp_unsupported_parameter_patterns"
-_VOCABULARY = "vocabulary_parameter_patterns"
-ORIGINAL_VOCAB = "original_vocab_size"
-
-
-_PIPELINE_REPLICATED = "pipeline_replicated_parameter_patterns"
-_PADDED_VOCAB = "padded_vocab_size"
-_VERSION = "universal_checkpoint_version"
-# The keys whose value is a list of patterns (AutoTP's unsupported ones: pattern -> reason).
-_PATTERN_KEYS = (
-    _REPLICATED, _ROW_PARALLEL, _AVERAGED, _TWO_SUB_PARAMS, _VOCABULARY, _PIPELINE_REPLICATED, _UNSUPPORTED,
-)  # fmt: skip
-_SUB_PARAM_KEYS = {"patterns", "shape", "partition_dim"}  # DeepSpeed's SubparamShape
-
-
-def check_universal_info(info: object, error: type[Exception] = BadInputError) -> None:
-    """``error`` (BadInputError: the client's or module's) naming the key and the entry of a
-    ``universal_checkpoint_info`` this ckptstore and ``ds_to_universal`` cannot read: anything
-    but a dict, a pattern list that is none or holds a pattern that is no string or no valid
-    regular expression, a ``parameter_with_sub_params`` entry that is not DeepSpeed's
-    ``SubparamShape`` (``patterns``, ``shape`` of ints or tuples of ints, ``partition_dim`` an
-    index of it), an ``original_vocab_size`` or ``padded_vocab_size`` that is no positive int,
-    a version that is no number. None passes (there is none)."""
-    problem = universal_info_problem(info)
-    if problem is not None:
-        raise error(f"{UNIVERSAL_INFO} {problem}")
-
-
-def universal_info_problem(info: object) -> str | None:
-    """What ``check_universal_info`` refuses in ``info``, or None."""
-    if info is None:
-        return None
-    if not isinstance(info, dict):
-        return f"is no dict ({info!r:.80})"
-    for key in _PATTERN_KEYS:
-        if key in info and (problem := _patterns_problem(info[key], allow_dict=key == _UNSUPPORTED)):
-            return f"{key} {problem}"
-    entries = info.get(_SUB_PARAMS, [])
-    if not isinstance(entries, (list, tuple)):
-        return f"{_SUB_PARAMS} is no list of sub-parameter entries ({entries!r:.80})"
-    for entry in entries:
-        if (problem := _sub_param_problem(entry)) is not None:
-            return f"{_SUB_PARAMS} has an entry {problem} ({entry!r:.120})"
-    for key in (ORIGINAL_VOCAB, _PADDED_VOCAB):
-        if key in info and not (type(info[key]) is int and info[key] > 0):
-            return f"{key} is no positive int ({info[key]!r:.80})"
-    version = info.get(_VERSION, 0.0)
-    if type(version) not in (int, float):
-        return f"{_VERSION} is no number ({version!r:.80})"
-    return None
-
-
-def _patterns_problem(patterns: object, allow_dict: bool = False) -> str | None:
-    if not isinstance(patterns, (list, tuple)) and not (allow_dict and isinstance(patterns, dict)):
-        return f"is no list of patterns ({patterns!r:.80})"
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            return f"has a pattern that is no string ({pattern!r:.80})"
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            return f"has a pattern that is no regular expression ({pattern!r:.80}: {error})"
-    return None
-
-
-def _sub_param_problem(entry: object) -> str | None:
-    if not isinstance(entry, dict) or set(entry) != _SUB_PARAM_KEYS:
-        return f"that is no dict of {', '.join(sorted(_SUB_PARAM_KEYS))}"
-    if (problem := _patterns_problem(entry["patterns"])) is not None:
-        return f"whose patterns {problem}"
-    shape = entry["shape"]
-    if not isinstance(shape, (list, tuple)) or not all(
-        type(d) is int or (isinstance(d, (list, tuple)) and all(type(w) is int for w in d)) for d in shape
-    ):
-        return "whose shape is no list of ints or tuples of ints"
-    dim = entry["partition_dim"]
-    if type(dim) is not int or not 0 <= dim < len(shape):
-        return "whose partition_dim is no index of its shape"
-    return None
-
-
-def _matches(patterns, name: str) -> bool:
-    return any(re.match(pattern, name) for pattern in patterns or ())
-
-
 def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> dict[str, dict | None]:
     """How each of ``params`` (name -> this rank's description entry, its slice's shape) is
     split over the engine's tensor-parallel ranks: ``{"dim", "sizes"}`` (and ``"sub"`` for a
     fused parameter, ``tensorsplit``), or None where every
     rank holds all of it. UnsupportedError for a parameter whose split cannot be known."""
     named = dict(engine.module.named_parameters())
-    if any(getattr(param, _AUTOTP_META, None) for param in named.values()):
-        return {name: _autotp_split(name, getattr(named.get(name), _AUTOTP_META, None)) for name in params}
+    if any(getattr(param, info_keys.AUTOTP_META, None) for param in named.values()):
+        return {
+            name: _autotp_split(name, getattr(named.get(name), info_keys.AUTOTP_META, None))
+            for name in params
+        }
     if info is None:
         raise UnsupportedError(
             f"tensor parallelism (degree {tensor_degree(engine)}) without AutoTP: pass how each "
@@ -209,17 +120,17 @@ def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> di
             '{"universal_checkpoint_info": {...}} (Megatron-DeepSpeed sets it on its model)'
         )
     degree = tensor_degree(engine)
-    fused = [pattern for entry in info.get(_SUB_PARAMS, ()) for pattern in _sub_patterns(entry)]
+    fused = [pattern for entry in info.get(info_keys.SUB_PARAMS, ()) for pattern in _sub_patterns(entry)]
     splits: dict[str, dict | None] = {}
     # The kinds are tried in the order ds_to_universal's merge_tp_slices tries them, so each
     # parameter's logical tensor is the one it would write.
     for name, entry in params.items():
-        if _matches(info.get(_UNSUPPORTED), name):
+        if info_keys.matches(info.get(info_keys.UNSUPPORTED), name):
             raise UnsupportedError(f"tensor-parallel parameter {name} is one DeepSpeed cannot convert")
-        if _matches(info.get(_REPLICATED), name):
+        if info_keys.matches(info.get(info_keys.REPLICATED), name):
             splits[name] = None  # equal on every rank (ds_to_universal asserts it): stored once
             continue
-        if _matches(info.get(_AVERAGED), name):
+        if info_keys.matches(info.get(info_keys.AVERAGED), name):
             # Its copies are equal unless training let them drift (BLOOM's bf16 norms did):
             # every rank's is kept, one after another along dimension 0, so each rank gets its
             # own back, and the logical tensor is their mean (tensorsplit).
@@ -231,7 +142,7 @@ def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> di
             splits[name] = {"dim": 0, "sizes": [rows] * degree, "average": True}
             continue
         local = int(entry["shape"][0]) if entry["shape"] else 0
-        if _matches(info.get(_TWO_SUB_PARAMS), name):
+        if info_keys.matches(info.get(info_keys.TWO_SUB_PARAMS), name):
             if local % 2:
                 raise UnsupportedError(f"{name} of shape {entry['shape']} is no two equal sub-parameters")
             # SwiGLU's dense_h_to_4h: each rank's slice is its part of the gate, then its part of
@@ -239,13 +150,15 @@ def tensor_splits(engine: Any, params: dict[str, dict], info: dict | None) -> di
             half = [local // 2] * degree
             splits[name] = {"dim": 0, "sizes": [local] * degree, "sub": [half, list(half)]}
             continue
-        if _matches(fused, name):
+        if info_keys.matches(fused, name):
             raise UnsupportedError(
-                f"tensor-parallel parameter {name} matches {_SUB_PARAMS}, not supported yet"
+                f"tensor-parallel parameter {name} matches {info_keys.SUB_PARAMS}, not supported yet"
             )
         # A vocabulary parameter is split by rows like any column-parallel one; it is stored at
         # its padded size (padded_vocab_size), the rows the ranks hold.
-        dim = 1 if _matches(info.get(_ROW_PARALLEL), name) else 0  # as ds_to_universal reads them
+        dim = (
+            1 if info_keys.matches(info.get(info_keys.ROW_PARALLEL), name) else 0
+        )  # as ds_to_universal reads them
         if dim >= len(entry["shape"]):
             raise UnsupportedError(
                 f"tensor-parallel parameter {name} of shape {entry['shape']} has no dimension {dim}"
@@ -330,16 +243,16 @@ def mark_vocabulary(params: dict[str, dict], info: dict | None) -> None:
     hold, what a materialize writes back); the rows past ``original_vocab_size`` are padding,
     which ``ds_to_universal`` leaves out and so do ``state_dict`` and ``export``. BadInputError
     where ``info`` gives more rows than the parameter has."""
-    rows = info.get(ORIGINAL_VOCAB) if isinstance(info, dict) else None
+    rows = info.get(info_keys.ORIGINAL_VOCAB) if isinstance(info, dict) else None
     if type(rows) is not int:
         return
     for name, entry in params.items():
-        if _matches(info.get(_VOCABULARY), name) and entry["shape"]:
+        if info_keys.matches(info.get(info_keys.VOCABULARY), name) and entry["shape"]:
             if not 0 < rows <= entry["shape"][0]:
                 raise BadInputError(
                     f"universal_checkpoint_info's original_vocab_size is {rows}, {name} has {entry['shape'][0]} rows"
                 )
-            entry[ORIGINAL_VOCAB] = rows
+            entry[info_keys.ORIGINAL_VOCAB] = rows
 
 
 def combine(parts: list[dict]) -> dict:
@@ -395,6 +308,16 @@ def rank_description(description: dict, mp_rank: int) -> dict:
     own["params"] = {name: description["params"][name] for name in own["params"]}
     own.update((key, description[key]) for key in _SHARED_KEYS)
     return own
+
+
+def stored_universal_info(description: dict) -> dict | None:
+    """The step's ``universal_checkpoint_info`` as its first model-parallel rank saved it (its
+    tuples as tuples), None where it has none. CorruptError where it is malformed: read from the
+    store, it is not trusted."""
+    model_state = rank_description(description, 0).get("model_state", {})
+    info = plainstate.from_plain(model_state.get(info_keys.UNIVERSAL_INFO))
+    info_keys.check_universal_info(info, CorruptError)
+    return info if isinstance(info, dict) else None
 
 
 def layer_file_names(description: dict, slices: int = 1) -> dict[str, list[str]]:

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 
 from .. import tensorsplit
-from ..errors import BadInputError, CorruptError, UnsupportedError
-from ..format import plainstate
+from ..errors import BadInputError, UnsupportedError
 from ..format.codec import DTYPES
 from ..model import FP32, WEIGHT
-from . import parallel
+from . import parallel, universal_info
 from .fill import TensorSource
 
 # Model-state keys that say how the engine reading the files is split: the reader's own.
@@ -39,10 +38,8 @@ def split_info(stored: dict) -> dict:
     """The client state that tells ``extract`` how an engine's parameters are split, from the
     step's own (a Megatron client's ``universal_checkpoint_info`` names its parameters by
     pattern, whatever the degree); empty where the step has none."""
-    model_state = parallel.rank_description(stored, 0)["model_state"]
-    info = plainstate.from_plain(model_state.get(parallel.UNIVERSAL_INFO))  # its tuples as tuples
-    parallel.check_universal_info(info, CorruptError)  # read from the store: not trusted
-    return {parallel.UNIVERSAL_INFO: info} if isinstance(info, dict) else {}
+    info = parallel.stored_universal_info(stored)
+    return {} if info is None else {universal_info.UNIVERSAL_INFO: info}
 
 
 def recut(stored: dict, target: dict, what: str) -> dict:
@@ -81,14 +78,14 @@ def _check_shape(name: str, stored: dict, target: dict, what: str) -> None:
     )  # an averaged one's: a copy's
     if now == was:
         return
-    rows = stored.get(parallel.ORIGINAL_VOCAB)
-    if now[1:] == was[1:] and parallel.ORIGINAL_VOCAB in target:
+    rows = stored.get(universal_info.ORIGINAL_VOCAB)
+    if now[1:] == was[1:] and universal_info.ORIGINAL_VOCAB in target:
         if rows is None:
             raise UnsupportedError(
                 f"{what} holds {name} with {was[0]} rows, this engine {now[0]}: "
                 "the step does not say which rows are padding (universal_checkpoint_info's original_vocab_size)"
             )
-        if rows == target[parallel.ORIGINAL_VOCAB] <= now[0]:
+        if rows == target[universal_info.ORIGINAL_VOCAB] <= now[0]:
             return  # repadded as load_universal pads it: zeros past original_vocab_size
     raise BadInputError(f"{what} holds {name} of shape {was}, this engine {now}")
 
@@ -98,7 +95,7 @@ def repadded(stored: dict, target: dict) -> bool:
     with padding in the step or in the engine. In another layout its padding rows are zeros,
     even at the same padded size: ``ds_to_universal`` drops the rows the step's training moved
     (their moments above all), and ``load_universal`` pads with zeros."""
-    rows = stored.get(parallel.ORIGINAL_VOCAB)
+    rows = stored.get(universal_info.ORIGINAL_VOCAB)
     return rows is not None and max(stored["shape"][0], target["shape"][0]) > rows
 
 
@@ -106,7 +103,7 @@ def repad(logical: torch.Tensor, stored: dict, target: dict) -> torch.Tensor:
     """The step's logical vocabulary tensor at the engine's padded rows: its first
     ``original_vocab_size`` rows, then zeros, as DeepSpeed's ``load_universal`` pads the
     padding-free tensor ``ds_to_universal`` wrote (every kind: weights, masters, moments)."""
-    rows = stored[parallel.ORIGINAL_VOCAB]
+    rows = stored[universal_info.ORIGINAL_VOCAB]
     out = logical.new_zeros(target["shape"])
     out[:rows] = logical[:rows]
     return out

@@ -19,6 +19,7 @@ import torch
 
 from .. import knobs, tensorsplit
 from ..catalog import Catalog
+from ..deepspeed.universal_info import ORIGINAL_VOCAB
 from ..errors import BadInputError, CorruptError
 from ..format.cast import cast
 from ..format.codec import DTYPES
@@ -34,8 +35,9 @@ _DTYPE_NAMES = {
 
 
 # A vocabulary parameter's rows that are no padding (DeepSpeed's original_vocab_size, from the
-# universal_checkpoint_info of a Megatron-style model); the step stores the padded rows.
-VOCAB_ROWS = "original_vocab_size"
+# universal_checkpoint_info of a Megatron-style model, kept on the parameter's entry by
+# ``parallel.mark_vocabulary``); the step stores the padded rows.
+VOCAB_ROWS = ORIGINAL_VOCAB
 
 
 def exported_shape(info: dict) -> tuple[int, ...]:

@@ -40,12 +40,12 @@ import torch
 from .. import tensorsplit
 from ..catalog import Catalog
 from ..deepspeed import parallel
+from ..deepspeed import universal_info as info_keys
 from ..deepspeed.fill import Filler, TensorSource, stored_tensor
 from ..deepspeed.layout import BF16_OPTIMIZER, ZERO12
 from ..deepspeed.stepfiles import StepWriter
 from ..deepspeed.torchfile import save_skeleton
-from ..errors import CorruptError, UnsupportedError
-from ..format import plainstate
+from ..errors import UnsupportedError
 from ..model import FP32
 from ..objects import ObjectStore
 from . import outputs
@@ -103,33 +103,25 @@ def check_reachable(description: dict, step: int) -> None:
                 f"{what}: {name} has sub-parameters described as before universal checkpoint "
                 "version 0.4 (a count, no widths), not written yet"
             )
-        if _matches(info, _VOCABULARY, name) and type(info.get(_ORIGINAL_VOCAB)) is not int:
+        if _matches(info, info_keys.VOCABULARY, name) and type(info.get(info_keys.ORIGINAL_VOCAB)) is not int:
             raise UnsupportedError(f"{what}: vocabulary parameter {name} has no original_vocab_size")
 
 
 def universal_info(description: dict) -> dict:
     """The step's ``universal_checkpoint_info`` (as its first model-parallel rank saved it)."""
-    own = plainstate.from_plain(parallel.rank_description(description, 0).get("model_state", {}))
-    info = own.get(parallel.UNIVERSAL_INFO) or {}
-    parallel.check_universal_info(info, CorruptError)  # read from the store: not trusted
-    return info
+    return parallel.stored_universal_info(description) or {}
 
 
 # How ds_to_universal's merge_tp_slices joins a parameter's slices, tried in its order.
 AFFINE, REPLICATED, AVERAGED, TWO_SUB, SUB, CAT = "affine", "replicated", "averaged", "two", "sub", "cat"
-# The universal_checkpoint_info keys it reads (deepspeed.checkpoint.constants).
+# The universal_checkpoint_info keys it reads for them.
 _PATTERNS = {
-    REPLICATED: "tp_replicated_parameter_patterns", AVERAGED: "parameter_to_average_patterns",
-    TWO_SUB: "parameter_with_2_sub_params_cat_dim_0",
+    REPLICATED: info_keys.REPLICATED, AVERAGED: info_keys.AVERAGED, TWO_SUB: info_keys.TWO_SUB_PARAMS,
 }  # fmt: skip
-_ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
-_VOCABULARY = "vocabulary_parameter_patterns"
-_SUB_PARAMS = "parameter_with_sub_params"
-_ORIGINAL_VOCAB = "original_vocab_size"
 
 
 def _matches(info: dict, key: str, name: str) -> bool:
-    return any(re.match(pattern, name) for pattern in info.get(key) or ())
+    return info_keys.matches(info.get(key), name)
 
 
 def _affine_map(info: dict, name: str) -> dict | None:
@@ -139,7 +131,7 @@ def _affine_map(info: dict, name: str) -> dict | None:
 
 
 def _sub_params(info: dict, name: str) -> tuple[dict, str] | tuple[None, None]:
-    for entry in info.get(_SUB_PARAMS) or ():
+    for entry in info.get(info_keys.SUB_PARAMS) or ():
         for pattern in entry["patterns"]:
             if re.match(pattern, name):
                 return entry, pattern
@@ -190,9 +182,9 @@ def merged(info: dict, name: str, param: dict, degree: int, stored: torch.Tensor
     elif how == SUB:
         saved["sub_param_shape"] = _subparam_shape(info, name)
     elif how == CAT:
-        saved["cat_dim"] = 1 if _matches(info, _ROW_PARALLEL, name) else 0
-    if _matches(info, _VOCABULARY, name):
-        tensor = tensor[: info[_ORIGINAL_VOCAB]]
+        saved["cat_dim"] = 1 if _matches(info, info_keys.ROW_PARALLEL, name) else 0
+    if _matches(info, info_keys.VOCABULARY, name):
+        tensor = tensor[: info[info_keys.ORIGINAL_VOCAB]]
         saved["vocab_tensor"] = True
     # a clone: torch.save writes a view's whole storage, which may hold other tensors
     saved["param"] = tensor.clone(memory_format=torch.contiguous_format)
