@@ -84,10 +84,12 @@ def background_nice() -> int:
 
 @setting("CPU_THREADS", "integer")
 def cpu_threads() -> int:
-    """Threads that hash, compress or decode at once: by default one per core this process may
-    use. A commit's ranks on one machine compress at the same time and split these."""
+    """Threads that hash, compress or decode at once: one per core this process may use, the
+    setting a cap (more threads than cores would only wait on each other's cores). A commit's
+    ranks on one machine compress at the same time and split these."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return read_int("CPU_THREADS", min(cores, MAX_THREADS), 1, MAX_THREADS)
+    cores = min(cores, MAX_THREADS)
+    return min(cores, read_int("CPU_THREADS", cores, 1, MAX_THREADS))
 
 
 def ranks_on_this_machine() -> int:

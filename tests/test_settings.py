@@ -178,6 +178,8 @@ def test_thread_counts_follow_the_cores_this_process_may_use_with_the_settings_a
         assert knobs.io_threads() == max(8, len(cores))
     monkeypatch.setenv("CKPTSTORE_CPU_THREADS", "3")
     assert (knobs.cpu_threads(), knobs.export_threads(), knobs.io_threads()) == (3, 4, 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert knobs.cpu_threads() == 2  # a setting past the cores is a cap, not more threads
     monkeypatch.setenv("CKPTSTORE_EXPORT_THREADS", "2")
     assert knobs.export_threads() == 2
 

@@ -45,36 +45,56 @@ from tools.engines import (  # noqa: E402
     train,
 )
 
+# What every measured process runs first: ``in_step(name)`` returns once each of the processes
+# run at once (``BENCH_AT_ONCE``, their files in ``BENCH_STEPS``) has reached ``name``, so that
+# the ceiling's processes time each operation side by side; alone, it returns at once.
+_IN_STEP = r"""
+import glob as _glob, os as _os, time as _time
+def in_step(name):
+    at_once, folder = int(_os.environ.get("BENCH_AT_ONCE", "1")), _os.environ.get("BENCH_STEPS")
+    if at_once > 1:
+        open(f"{folder}/{name}.{_os.getpid()}", "w").close()
+        while len(_glob.glob(f"{folder}/{name}.*")) < at_once:
+            _time.sleep(0.001)
+"""
+
 # Without an engine: export, zero_to_fp32, materialize and cp -r, in that order.
-_FILES_CHILD = r"""
-import json, shutil, subprocess, sys, time
+_FILES_CHILD = (
+    _IN_STEP
+    + r"""
+import json, os, shutil, subprocess, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[3]))
 import ckptstore
 from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
 work, ds_dir = sys.argv[1:3]
+out = f"{work}/out-{os.getpid()}"
 times = {}
 def timed(name, fn, runs=1):
-    for _ in range(runs):
+    for run in range(runs):
+        in_step(f"{name}-{run}")
         started = time.perf_counter()
         fn()
         times[name] = min(times.get(name, float("inf")), time.perf_counter() - started)
-        shutil.rmtree(work + "/out", ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
 with ckptstore.open(work + "/store") as store:
     step = store.steps()[-1]
     # Export and zero_to_fp32 take well under a second here: each is timed twice and the faster
     # kept, so that the first call's imports and page faults do not stand in for its scaling.
-    timed("export", lambda: store.export(step, work + "/out", dtype="bfloat16"), runs=2)
+    timed("export", lambda: store.export(step, out, dtype="bfloat16"), runs=2)
     timed("zero_to_fp32", lambda: convert_zero_checkpoint_to_state_dict(
-        ds_dir, work + "/out", dtype=torch.bfloat16, safe_serialization=True), runs=2)
-    timed("materialize", lambda: store.materialize(step, work + "/out"))
-    timed("cp -r", lambda: subprocess.run(["cp", "-r", ds_dir, work + "/out"], check=True))
+        ds_dir, out, dtype=torch.bfloat16, safe_serialization=True), runs=2)
+    timed("materialize", lambda: store.materialize(step, out))
+    timed("cp -r", lambda: subprocess.run(["cp", "-r", ds_dir, out], check=True))
 print(json.dumps(times))
 """
+)
 
 # With an engine: restore against load_checkpoint, commit against save_checkpoint.
-_ENGINE_CHILD = r"""
-import argparse, json, logging, shutil, sys, time
+_ENGINE_CHILD = (
+    _IN_STEP
+    + r"""
+import argparse, json, logging, os, shutil, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[3]))
 sys.path.append(sys.argv[4])  # after --code's ckptstore (PYTHONPATH)
@@ -84,10 +104,12 @@ from deepspeed.utils import logger
 logger.setLevel(logging.WARNING)
 import ckptstore
 work, ds_dir = sys.argv[1:3]
+mine = f"{work}/{os.getpid()}"
 args = argparse.Namespace(**json.loads(sys.argv[5]))
 engine = build_bench_engine(args)
 times = {}
 def timed(name, fn):
+    in_step(name)
     started = time.perf_counter()
     fn()
     times[name] = time.perf_counter() - started
@@ -95,13 +117,14 @@ with ckptstore.open(work + "/store") as store:
     step = store.steps()[-1]
     timed("load_checkpoint", lambda: engine.load_checkpoint(ds_dir))
     timed("restore", lambda: store.restore(engine, step))
-timed("save_checkpoint", lambda: engine.save_checkpoint(work + "/save"))
-shutil.rmtree(work + "/save")
-with ckptstore.open(work + "/commit") as store:
+timed("save_checkpoint", lambda: engine.save_checkpoint(mine + "-save"))
+shutil.rmtree(mine + "-save")
+with ckptstore.open(mine + "-commit") as store:
     timed("commit", lambda: store.commit(engine, 1))
-shutil.rmtree(work + "/commit")
+shutil.rmtree(mine + "-commit")
 print(json.dumps(times))
 """
+)
 
 # (operation, its DeepSpeed counterpart)
 PAIRS = (
@@ -112,25 +135,34 @@ PAIRS = (
 )
 
 
-def run_child(script: str, argv: list[str], cores: list[int], code: Path, work: Path) -> dict:
-    n = len(cores)
+def run_children(script: str, argv: list[str], cores: list[list[int]], code: Path, work: Path) -> dict:
+    """Run ``script`` in one process per entry of ``cores``, all at once, each pinned to its
+    cores with every thread setting at their count; each operation's time, the slowest's."""
     drop = ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(
-        PYTHONPATH=str(code), CKPTSTORE_CPU_THREADS=str(n), CKPTSTORE_EXPORT_THREADS=str(n),
-        OMP_NUM_THREADS=str(n), CKPTSTORE_PROGRESS="0",
-    )  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=work,  # so that ``-c``'s first path entry finds no ckptstore but --code's
-        preexec_fn=lambda: os.sched_setaffinity(0, cores),
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    steps = tempfile.mkdtemp(dir=work, prefix="steps-")
+    procs = []
+    for mine in cores:
+        n = len(mine)
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        env.update(
+            PYTHONPATH=str(code), CKPTSTORE_CPU_THREADS=str(n), CKPTSTORE_EXPORT_THREADS=str(n),
+            OMP_NUM_THREADS=str(n), CKPTSTORE_PROGRESS="0", BENCH_AT_ONCE=str(len(cores)), BENCH_STEPS=steps,
+        )  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", script, *argv[:2], str(n), *argv[2:]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            cwd=work,  # so that ``-c``'s first path entry finds no ckptstore but --code's
+            preexec_fn=lambda mine=mine: os.sched_setaffinity(0, mine),
+        ))  # fmt: skip
+    times: dict[str, float] = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"child failed:\n{stderr[-3000:]}")
+        for name, seconds in json.loads(stdout.strip().splitlines()[-1]).items():
+            times[name] = max(times.get(name, 0.0), seconds)
+    shutil.rmtree(steps)
+    return times
 
 
 def main() -> int:
@@ -177,19 +209,29 @@ def main() -> int:
 
     model = json.dumps({k: getattr(args, k) for k in ("hidden", "layers", "vocab", "dtype")})
     ds_dir = str(work / "deepspeed")
-    best: dict[tuple[Path, int, str], float] = {}
+    best: dict[tuple[Path, int | str, str], float] = {}
+    # Each thread count N, and for N > 1 the ceiling: N one-thread processes at once, a core each.
+    runs = [(n, [cores[:n]]) for n in counts] + [
+        (f"{n}x1", [[c] for c in cores[:n]]) for n in counts if n > 1
+    ]
     for round_ in range(args.reps):
         for code in codes:
-            for n in counts:
+            for label, pinned in runs:
                 times = {}
                 if args.ops in ("all", "files"):
-                    times |= run_child(_FILES_CHILD, [str(work), ds_dir, str(n)], cores[:n], code, work)
+                    times |= run_children(_FILES_CHILD, [str(work), ds_dir], pinned, code, work)
                 if args.ops in ("all", "engine"):
-                    engine_argv = [str(work), ds_dir, str(n), str(repo), model]
-                    times |= run_child(_ENGINE_CHILD, engine_argv, cores[:n], code, work)
+                    times |= run_children(
+                        _ENGINE_CHILD, [str(work), ds_dir, str(repo), model], pinned, code, work
+                    )
                 for name, seconds in times.items():
-                    best[(code, n, name)] = min(best.get((code, n, name), float("inf")), seconds)
-                print(f"round {round_ + 1}, {code}, {n} threads: " + ", ".join(
+                    best[(code, label, name)] = min(best.get((code, label, name), float("inf")), seconds)
+                what = (
+                    f"{label[:-2]} one-thread processes at once"
+                    if isinstance(label, str)
+                    else f"{label} threads"
+                )
+                print(f"round {round_ + 1}, {code}, {what}: " + ", ".join(
                     f"{k} {v:.2f} s" for k, v in times.items()), flush=True)  # fmt: skip
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     for code in codes:
@@ -200,21 +242,27 @@ def main() -> int:
     return 0
 
 
-def _table(best: dict[tuple[int, str], float], counts: list[int], reps: int) -> None:
+def _table(best: dict[tuple[int | str, str], float], counts: list[int], reps: int) -> None:
     first = counts[0]
+    more = counts[1:]
     header = " | ".join(f"{n} threads" for n in counts)
     print(f"| operation (min of {reps}) | {header} | " + " | ".join(
-        f"{n} / {first} threads" for n in counts[1:]) + " |")  # fmt: skip
-    print("|---|" + "---:|" * (2 * len(counts) - 1))
+        f"{n} / {first} threads | ceiling {n} / 1" for n in more) + " |")  # fmt: skip
+    print("|---|" + "---:|" * (len(counts) + 2 * len(more)))
     for op, base in PAIRS:
         if (first, op) not in best:
             continue
         for name in (op, base):
             cells = [f"{best[(n, name)]:.2f} s" + ("" if name == base else f" ({best[(n, name)] / best[(n, base)]:.2f}x)")
                      for n in counts]  # fmt: skip
-            scale = [f"{best[(n, name)] / best[(first, name)]:.2f}x" for n in counts[1:]]
-            print(f"| {name} | " + " | ".join(cells + scale) + " |")
+            for n in more:
+                cells.append(f"{best[(n, name)] / best[(first, name)]:.2f}x")
+                # N processes did N times the work at once: the best N threads could do is 1/N of that.
+                cells.append(f"{best[(f'{n}x1', name)] / (n * best[(1, name)]):.2f}x" if first == 1 else "")
+            print(f"| {name} | " + " | ".join(cells) + " |")
     print("(x): against the DeepSpeed counterpart below it at the same thread count")
+    print("ceiling N / 1: N one-thread processes at once, a core each, each doing the whole operation,")
+    print("took T; T / (N x the 1-thread time) is the N / 1 that perfect threads would reach on this box")
 
 
 if __name__ == "__main__":
