@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -227,15 +228,16 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
 def test_export_and_materialize_write_the_same_bytes_on_one_thread_as_on_every_core(
     committed, tmp_path, monkeypatch
 ):
-    from ckptstore.export import folder
+    from ckptstore.export import folder, processes
     from ckptstore.format import planes
 
     _, store, _ = committed
     monkeypatch.setattr(planes, "PIECE", 1000)  # many pieces, decoded on the threads in turn
+    monkeypatch.setattr(processes, "worth_running", lambda written, most: most)  # as for a large model
     used = []
 
     def write_files(*args):
-        used.append(args[-1])
+        used.append(args[-2:])  # (threads, processes)
         return original(*args)
 
     original = folder.write_files
@@ -248,5 +250,58 @@ def test_export_and_materialize_write_the_same_bytes_on_one_thread_as_on_every_c
             store.export(2, out / dtype, dtype=dtype)
         store.materialize(2, out / "deepspeed")
         written[len(cores)] = _tree_bytes(out)
-    assert used == [2, 2, 24, 24]  # no cap of 4: min(io_threads, a core each and one more)
+    # No cap of 4: on one core, two threads (one and one more); on 24, a forked process per core.
+    assert used == [(2, 1), (2, 1), (24, 24), (24, 24)]
     assert written[1] == written[24] and len(written[1]) > 4
+
+
+def test_an_export_from_a_local_store_decodes_in_a_forked_process_per_core(committed, tmp_path, monkeypatch):
+    from ckptstore.export import processes, safetensors_file
+
+    _, store, _ = committed
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(processes, "worth_running", lambda written, most: most)  # as for a large model
+    writers = tmp_path / "writers"
+    writers.mkdir()
+    original = safetensors_file.SafetensorsFile.write_part
+
+    here = os.getpid()
+
+    def write_part(self, name, start, tensor):
+        (writers / str(os.getpid())).touch()  # a worker's writes cannot reach this process's memory
+        time.sleep(0.05)  # slow enough that every process gets tasks before they are all taken
+        return original(self, name, start, tensor)
+
+    monkeypatch.setattr(safetensors_file.SafetensorsFile, "write_part", write_part)
+    store.export(2, tmp_path / "forked", dtype="bfloat16")
+    pids = {int(p.name) for p in writers.iterdir()}
+    assert len(pids) == 3 and here in pids  # this process and two forked workers
+    for p in writers.iterdir():
+        p.unlink()
+    monkeypatch.setenv("CKPTSTORE_EXPORT_THREADS", "1")  # one decoder: this process's own thread
+    store.export(2, tmp_path / "here", dtype="bfloat16")
+    assert [int(p.name) for p in writers.iterdir()] == [here]
+    assert _tree_bytes(tmp_path / "forked") == _tree_bytes(tmp_path / "here")
+
+
+def test_a_worker_process_that_fails_stops_the_export_with_its_own_error(committed, tmp_path, monkeypatch):
+    from ckptstore.export import processes, weights
+
+    _, store, _ = committed
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(processes, "worth_running", lambda written, most: most)  # as for a large model
+    original = weights.StepWeights.read_pieces
+
+    def read_pieces(self, weight, dtype):
+        if weight.name.endswith("layers.1.mlp.down_proj.weight") or weight.name.endswith(
+            "h.1.mlp.c_proj.weight"
+        ):
+            raise ckptstore.errors.CorruptError(f"step 2: blob of {weight.name} does not match its key")
+        return original(self, weight, dtype)
+
+    monkeypatch.setattr(weights.StepWeights, "read_pieces", read_pieces)
+    with pytest.raises(
+        ckptstore.errors.CorruptError, match="^step 2: blob of .*1.mlp.* does not match its key$"
+    ):
+        store.export(2, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []  # no staging folder, no partial output

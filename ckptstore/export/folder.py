@@ -29,6 +29,7 @@ from ..materialize import compose, outputs
 from ..model import BUFFER
 from ..objects import ObjectStore
 from ..progress import progress_bar
+from . import processes as forked
 from .safetensors_file import tensor_bytes
 from .weights import StepWeights, parse_dtype
 from .writer import write_files
@@ -112,10 +113,14 @@ def export(
         # Reads from a local store are mapped: CPU work, like decoding. More threads than the
         # cores and one fetching ahead would only wait for a core and switch (the bench model's
         # bf16 export: 0.21 s of CPU with 8 threads, 0.18 s with 3); knobs.export_threads caps it.
-        threads = knobs.io_threads()
+        # Where the platform forks, a process per core instead, as many as pay for their fork:
+        # threads of one process hand the GIL to each other between their short decoding calls.
+        threads, processes = knobs.io_threads(), 1
         if objects.reads_are_local:
             threads = min(threads, knobs.cpu_threads() + 1, knobs.export_threads())
-        write_files(shards, {"format": "pt"}, by_name, weights, dtype, buffers, bar, threads)
+            most = min(knobs.cpu_threads(), knobs.export_threads())
+            processes = forked.worth_running(split.metadata["total_size"], most)
+        write_files(shards, {"format": "pt"}, by_name, weights, dtype, buffers, bar, threads, processes)
         if split.is_sharded:
             params = sum(math.prod(w.shape) for w in weights.entries if w.kind != BUFFER)
             index = {

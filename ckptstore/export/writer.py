@@ -1,4 +1,6 @@
-"""A model's weights into safetensors files: each tensor decoded, cast and written by a few threads.
+"""A model's weights into safetensors files: each tensor decoded, cast and written by a few
+threads, or (a local store on Linux) by a forked process per core (``processes``), the tensors
+balanced over them by size.
 
 Several tensors are in flight, largest first across every file, so that one's decoding (zstd
 and the hash release the GIL) overlaps another's cast and ``pwrite``. A tensor stored in packs
@@ -26,6 +28,7 @@ from .. import knobs
 from ..format import planes
 from ..format.cast import cast_into
 from ..model import BUFFER, Weight
+from . import processes as forked
 from .safetensors_file import SafetensorsFile, tensor_bytes
 from .weights import StepWeights
 
@@ -131,12 +134,14 @@ def write_files(
     buffers: dict[str, torch.Tensor],
     bar,
     threads: int,
+    processes: int = 1,
 ) -> None:
     """Write safetensors ``files`` (path -> name -> (shape, dtype), the header's order) with the
     tensors of ``entries`` (name -> Weight) read from ``weights`` (``StepWeights`` or
     ``DcpStepWeights``), floating point ones cast to ``dtype``, or taken from ``buffers``, on
-    ``threads`` threads. ``next(bar)`` as each is written. Raises what reading raises
-    (NotFoundError, CorruptError)."""
+    ``threads`` threads, or, ``processes`` > 1, in that many forked processes of one thread
+    each (``processes.run_forked``: only for a store whose reads are local files). ``next(bar)``
+    as each is written. Raises what reading raises (NotFoundError, CorruptError)."""
     stored = {
         name: weights.stored_dtype(weight) if isinstance(weights, StepWeights) else None
         for name, weight in entries.items()
@@ -146,7 +151,8 @@ def write_files(
     needs = [
         min(tensor_bytes(entries[name].shape, dtype), _CAST_WINDOW) for name in stored if stored[name] is None
     ]
-    scratch = Scratch(knobs.export_buffer_bytes() or max(needs, default=1) * knobs.cpu_threads())
+    per_process = 1 if processes > 1 else knobs.cpu_threads()
+    scratch = Scratch(knobs.export_buffer_bytes() or max(needs, default=1) * per_process)
     opened = _Files(files, metadata)
 
     def write(path: Path, name: str) -> None:
@@ -162,12 +168,20 @@ def write_files(
                 _write_whole(file, weight, weights, dtype, memory)
         opened.done(path)
 
+    def cost(task: tuple[Path, str]) -> int:
+        return tensor_bytes(*files[task[0]][task[1]])
+
     # Largest first, so no big tensor starts last while the other threads sit idle.
     tasks = sorted(
-        ((path, name) for path, layout in files.items() for name in layout),
-        key=lambda task: -tensor_bytes(*files[task[0]][task[1]]),
+        ((path, name) for path, layout in files.items() for name in layout), key=lambda t: -cost(t)
     )
     try:
+        if processes > 1:
+            for path in files:  # each worker writes into the files opened here
+                opened.get(path)
+            with planes.kept_memory():
+                forked.run_forked(tasks, lambda task: write(*task), lambda: next(bar, None), processes)
+            return
         with planes.kept_memory(), ThreadPoolExecutor(threads) as pool:
             futures = [pool.submit(write, path, name) for path, name in tasks]
             try:
