@@ -228,12 +228,13 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
 def test_export_and_materialize_write_the_same_bytes_on_one_thread_as_on_every_core(
     committed, tmp_path, monkeypatch
 ):
-    from ckptstore.export import folder, processes
+    from ckptstore import forked
+    from ckptstore.export import folder
     from ckptstore.format import planes
 
     _, store, _ = committed
     monkeypatch.setattr(planes, "PIECE", 1000)  # many pieces, decoded on the threads in turn
-    monkeypatch.setattr(processes, "worth_running", lambda written, most: most)  # as for a large model
+    monkeypatch.setattr(forked, "worth_running", lambda written, most: most)  # as for a large model
     used = []
 
     def write_files(*args):
@@ -256,11 +257,12 @@ def test_export_and_materialize_write_the_same_bytes_on_one_thread_as_on_every_c
 
 
 def test_an_export_from_a_local_store_decodes_in_a_forked_process_per_core(committed, tmp_path, monkeypatch):
-    from ckptstore.export import processes, safetensors_file
+    from ckptstore import forked
+    from ckptstore.export import safetensors_file
 
     _, store, _ = committed
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
-    monkeypatch.setattr(processes, "worth_running", lambda written, most: most)  # as for a large model
+    monkeypatch.setattr(forked, "worth_running", lambda written, most: most)  # as for a large model
     writers = tmp_path / "writers"
     writers.mkdir()
     original = safetensors_file.SafetensorsFile.write_part
@@ -284,24 +286,27 @@ def test_an_export_from_a_local_store_decodes_in_a_forked_process_per_core(commi
     assert _tree_bytes(tmp_path / "forked") == _tree_bytes(tmp_path / "here")
 
 
-def test_a_worker_process_that_fails_stops_the_export_with_its_own_error(committed, tmp_path, monkeypatch):
-    from ckptstore.export import processes, weights
+@pytest.mark.parametrize("verb", ["export", "materialize"])
+def test_a_worker_process_that_fails_stops_the_output_with_its_own_error(
+    committed, tmp_path, monkeypatch, verb
+):
+    from ckptstore import forked
 
     _, store, _ = committed
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(processes, "worth_running", lambda written, most: most)  # as for a large model
-    original = weights.StepWeights.read_pieces
+    monkeypatch.setattr(forked, "worth_running", lambda written, most: most)  # as for a large model
+    here, original = os.getpid(), forked.run_forked
 
-    def read_pieces(self, weight, dtype):
-        if weight.name.endswith("layers.1.mlp.down_proj.weight") or weight.name.endswith(
-            "h.1.mlp.c_proj.weight"
-        ):
-            raise ckptstore.errors.CorruptError(f"step 2: blob of {weight.name} does not match its key")
-        return original(self, weight, dtype)
+    def failing_in_workers(tasks, run, done, processes):
+        def run_or_fail(task):
+            if os.getpid() != here:
+                raise ckptstore.errors.CorruptError("step 2: a blob does not match its key")
+            time.sleep(0.05)  # the worker gets tasks too
+            run(task)
 
-    monkeypatch.setattr(weights.StepWeights, "read_pieces", read_pieces)
-    with pytest.raises(
-        ckptstore.errors.CorruptError, match="^step 2: blob of .*1.mlp.* does not match its key$"
-    ):
-        store.export(2, tmp_path / "out")
+        original(tasks, run_or_fail, done, processes)
+
+    monkeypatch.setattr(forked, "run_forked", failing_in_workers)
+    with pytest.raises(ckptstore.errors.CorruptError, match="^step 2: a blob does not match its key$"):
+        getattr(store, verb)(2, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []  # no staging folder, no partial output

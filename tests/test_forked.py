@@ -1,4 +1,4 @@
-"""Forked worker processes (``export.processes``): every task run once, here or in a worker,
+"""Forked worker processes (``forked``): every task run once, here or in a worker,
 whichever is free next; each finished task counted here; a worker's failure, whatever it is,
 raised here once every worker is gone."""
 
@@ -7,21 +7,26 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from ckptstore import forked
 from ckptstore.errors import NotFoundError, StorageError
-from ckptstore.export import processes
-from ckptstore.export.processes import run_forked, worth_running
+from ckptstore.forked import run_forked, worth_running
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_processes_are_forked_only_where_the_work_pays_for_the_forks(monkeypatch):
-    monkeypatch.setattr(processes, "_resident_bytes", lambda: 300 << 20)  # the command line's
+    monkeypatch.setattr(forked, "_resident_bytes", lambda: 300 << 20)  # the command line's
     assert worth_running(2 << 30, most=16) == 16  # a 1B model's bf16 weights
     assert worth_running(400 << 20, most=2) == 2  # the 204M bench model's
     assert worth_running(1 << 20, most=16) == 1  # a tiny model: the work is shorter than a fork
-    monkeypatch.setattr(processes, "_resident_bytes", lambda: 100 << 30)  # a training job's
+    monkeypatch.setattr(forked, "_resident_bytes", lambda: 100 << 30)  # a training job's
     assert 1 < worth_running(14 << 30, most=16) < 16  # a 7B model's: a few, each fork slow
     assert worth_running(2 << 30, most=1) == 1
 
@@ -109,3 +114,40 @@ def test_a_worker_killed_by_a_signal_is_reported():
 
     with pytest.raises(StorageError, match="killed by signal 9"):
         run_forked([0, 1], killed, lambda: None, processes=2)
+
+
+def test_workers_die_with_the_process_that_forked_them(tmp_path):
+    script = f"""
+import os, time
+from ckptstore.forked import run_forked
+here = os.getpid()
+def run(n):
+    if os.getpid() != here:
+        open({str(tmp_path)!r} + f"/worker.{{os.getpid()}}", "w").close()
+    time.sleep(60)
+run_forked([0, 1], run, lambda: None, processes=2)
+"""
+    exporter = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("worker.*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (marker,) = tmp_path.glob("worker.*")
+    worker = int(marker.name.split(".")[1])
+    exporter.kill()  # SIGKILL: no finally runs in it
+    exporter.wait()
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            return  # gone (reaped by init once killed)
+        if _zombie(worker):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"worker {worker} outlived its parent")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return False

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from .. import knobs
+from .. import forked, knobs
 from ..errors import CorruptError
 from ..format.cast import cast
 from ..format.codec import DTYPES, raw_bytes
@@ -109,8 +109,12 @@ class Filler:
         self._tensors = tensors
         self.params = params
 
-    def fill(self, skeletons: list[tuple[Path, list[tuple[torch.UntypedStorage, int]]]]) -> None:
-        """Write the bytes of every storage of the saved skeletons, a parameter per task."""
+    def fill(
+        self, skeletons: list[tuple[Path, list[tuple[torch.UntypedStorage, int]]]], fork: bool = False
+    ) -> None:
+        """Write the bytes of every storage of the saved skeletons, a parameter per task; with
+        ``fork`` (the tensors are read from local files), in forked worker processes where
+        that pays (``forked.worth_running``), else on threads."""
         by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]] = defaultdict(list)
         fds = []
         try:
@@ -126,7 +130,7 @@ class Filler:
                     put = partial(_pwrite_segment, fd, offset, placeholder.dtype.itemsize)
                     for segment in segments:
                         by_param[segment.name].append((put, segment, placeholder.dtype))
-            self._run(by_param, whole=True, desc="write")
+            self._run(by_param, whole=True, desc="write", fork=fork)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -162,12 +166,23 @@ class Filler:
         self._run(by_param, whole=False, desc=desc)
 
     def _run(
-        self, by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]], whole: bool, desc: str
+        self,
+        by_param: dict[str, list[tuple[Put, Segment, torch.dtype]]],
+        whole: bool,
+        desc: str,
+        fork: bool = False,
     ) -> None:
+        def size(item: tuple[str, list[tuple[Put, Segment, torch.dtype]]]) -> int:
+            return sum(s.length * d.itemsize for _, s, d in item[1])
+
         # Largest first, so no big parameter starts last while the other threads sit idle.
-        by_size = sorted(
-            by_param.items(), key=lambda item: -sum(s.length * d.itemsize for _, s, d in item[1])
-        )
+        by_size = sorted(by_param.items(), key=lambda item: -size(item))
+        processes = forked.worth_running(sum(map(size, by_size)), knobs.cpu_threads()) if fork else 1
+        if processes > 1:
+            bar = progress_bar(range(len(by_size)), desc=desc, unit="param")
+            fill = partial(self._fill_item, whole=whole)
+            forked.run_forked(by_size, fill, lambda: next(bar, None), processes)
+            return
         with ThreadPoolExecutor(knobs.io_threads()) as pool:
             tasks = [pool.submit(self.fill_parameter, name, targets, whole) for name, targets in by_size]
             try:
@@ -177,6 +192,9 @@ class Filler:
                 for task in tasks:
                     task.cancel()
                 raise
+
+    def _fill_item(self, item: tuple[str, list[tuple[Put, Segment, torch.dtype]]], whole: bool) -> None:
+        self.fill_parameter(*item, whole=whole)
 
     def fill_parameter(
         self, name: str, targets: list[tuple[Put, Segment, torch.dtype]], whole: bool = True

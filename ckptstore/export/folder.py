@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from .. import auxfiles, knobs
+from .. import auxfiles, forked, knobs
 from ..catalog import Catalog
 from ..dcp import dcp_description
 from ..dcp.weights import DcpStepWeights
@@ -29,7 +29,6 @@ from ..materialize import compose, outputs
 from ..model import BUFFER
 from ..objects import ObjectStore
 from ..progress import progress_bar
-from . import processes as forked
 from .safetensors_file import tensor_bytes
 from .weights import StepWeights, parse_dtype
 from .writer import write_files

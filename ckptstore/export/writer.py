@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-from .. import knobs
+from .. import forked, knobs
 from ..format import planes
 from ..format.cast import cast_into
 from ..model import BUFFER, Weight
-from . import processes as forked
 from .safetensors_file import SafetensorsFile, tensor_bytes
 from .weights import StepWeights
 

@@ -5,6 +5,7 @@ time, hashed and cast on the way (``codec``'s ZSTD_PLANES payload)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 import threading
 from collections.abc import Iterator
@@ -115,6 +116,17 @@ class _Kit:
 _kits: dict[int, list[_Kit]] = {}  # idle kits by element size, while kept_memory blocks run
 _kits_lock = threading.Lock()
 _keepers = 0
+
+
+def _unlock_in_child() -> None:
+    # A forked export worker (forked) decodes too: a lock another thread of the
+    # parent held at the fork would stay held in the child, by no one.
+    global _kits_lock
+    _kits_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_unlock_in_child)
 
 
 @contextlib.contextmanager

@@ -1,18 +1,23 @@
 """Tasks run in forked worker processes, one thread each, for work that threads cannot scale.
 
-An export decodes every weight: zstd, six numpy passes joining each chunk's byte planes, the
-hash, the cast and the write, each a call without the GIL but most only 13-30 us long, about a
-thread's wake-up. Two threads of one process then keep handing the GIL to each other: on two
-cores they took 0.65x-0.74x of one thread's time, where two processes, each with a GIL of its
-own, exported twice the weights in the time one took (``tools/bench_cores.py``'s ceiling,
-0.52x). So a local store's export forks a worker per core. A worker only reads the store's
-files, decodes and ``pwrite``s at offsets in output files the parent opened; it touches
-nothing the parent's other threads may hold, and runs torch on one thread (an OpenMP pool
-does not survive a fork). It reports each finished task, or its error, through a pipe.
+An export or a materialize decodes every tensor: zstd, six numpy passes joining each chunk's
+byte planes, the hash, the cast and the write, each a call without the GIL but most only
+13-30 us long, about a thread's wake-up. Two threads of one process then keep handing the GIL
+to each other: on two cores an export took 0.65x-0.74x of one thread's time, where two
+processes, each with a GIL of its own, exported twice the weights in the time one took
+(``tools/bench_cores.py``'s ceiling, 0.46x-0.54x). So from a local store they fork workers,
+as many as pay for their fork (``worth_running``). A worker only reads the store's files,
+decodes and ``pwrite``s at offsets in output files the parent opened; it touches nothing the
+parent's other threads may hold (``planes`` renews its lock in a child), and runs torch on one
+thread (an OpenMP pool does not survive a fork). It takes tasks from a queue pipe as it gets
+free, and reports each finished one, or its error, through a pipe of its own; it dies with
+the process that forked it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import fcntl
 import json
 import math
@@ -26,18 +31,19 @@ from typing import TypeVar
 
 import torch
 
-from .. import errors
+from . import errors
 
 T = TypeVar("T")
 
 _DONE = b"."  # a worker finished a task
 _FAILED = b"!"  # what follows describes a worker's error; then it exits
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _NUMBER = struct.Struct("<I")  # a batch of tasks' number in the queue pipe
 
 
 # Measured on the 2-core bench box: a fork took ~17 ms per GiB this process had resident (its
 # page tables are copied: 3 ms at 0.2 GiB, 27 ms at 1.2, 73 ms at 4.2), and one process
-# decoded and wrote ~0.75 GB a second of a bf16 export.
+# decoded and wrote ~0.75 GB a second of a bf16 export (materialize: ~0.4 GB/s).
 _FORK_SECONDS_PER_RESIDENT_BYTE = 17e-3 / (1 << 30)
 _WRITTEN_BYTES_PER_SECOND = 0.75e9
 
@@ -74,6 +80,7 @@ def run_forked(
     own as raised, a worker's as its ckptstore error class, an OSError with its errno and
     file, anything else as ``StorageError`` naming it. Every worker is stopped (killed, if
     still running) and reaped before this returns or raises."""
+    parent = os.getpid()
     queue_read, queue_write = os.pipe()
     workers: dict[int, int] = {}  # read end of a worker's report pipe -> its pid, 0 once reaped
     try:
@@ -85,7 +92,7 @@ def run_forked(
             pid = os.fork()
             if pid == 0:  # a worker: never returns
                 os.close(report_read)
-                _work(tasks, per, queue_read, run, report_write)
+                _work(tasks, per, queue_read, run, report_write, parent)
             os.close(report_write)
             workers[report_read] = pid
         # This process takes tasks too, counting the workers' between its own.
@@ -130,9 +137,10 @@ def _next_batch(tasks: Sequence[T], per: int, fd: int) -> Sequence[T] | None:
     return tasks[number * per : (number + 1) * per]
 
 
-def _work(tasks: Sequence[T], per: int, queue: int, run: Callable[[T], None], fd: int) -> None:
+def _work(tasks: Sequence[T], per: int, queue: int, run: Callable[[T], None], fd: int, parent: int) -> None:
     code = 1
     try:
+        _die_with(parent)
         torch.set_num_threads(1)
         while (batch := _next_batch(tasks, per, queue)) is not None:
             for task in batch:
@@ -145,6 +153,15 @@ def _work(tasks: Sequence[T], per: int, queue: int, run: Callable[[T], None], fd
             report = report[os.write(fd, report) :]
     finally:
         os._exit(code)  # no exit handlers, no flushing of the parent's buffers, no destructors
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this worker if the process that forked it dies (``kill -9``, a
+    scheduler's stop), so that no worker writes on into an output no one will finish."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before that took hold
+        os._exit(1)
 
 
 def _collect(workers: dict[int, int], done: Callable[[], None], wait: bool) -> BaseException | None:
@@ -201,11 +218,11 @@ def _failure(report: bytes, status: int) -> BaseException | None:
         error = getattr(errors, kind, None)
         if isinstance(error, type) and issubclass(error, errors.CkptStoreError):
             return error(message)
-        return errors.StorageError(f"an export worker process failed: {kind}: {message}")
+        return errors.StorageError(f"a worker process failed: {kind}: {message}")
     if os.WIFSIGNALED(status):
         return errors.StorageError(
-            f"an export worker process was killed by signal {os.WTERMSIG(status)} (out of memory?)"
+            f"a worker process was killed by signal {os.WTERMSIG(status)} (out of memory?)"
         )
     if os.WEXITSTATUS(status) != 0:
-        return errors.StorageError(f"an export worker process exited with status {os.WEXITSTATUS(status)}")
+        return errors.StorageError(f"a worker process exited with status {os.WEXITSTATUS(status)}")
     return None
