@@ -46,33 +46,26 @@ class StepWriter:
         data-parallel rank)`` (None: every data-parallel rank of that model-parallel rank)."""
         return [(name, obj, (w.mp_rank, reader)) for w in self.writers for name, obj, reader in w.files()]
 
-    def write(self, tag_dir: Path, fork: bool = False) -> list[Path]:
-        """Write every file into ``tag_dir``; ``fork``: as ``Filler.fill``'s."""
+    def write(self, tag_dir: Path) -> list[Path]:
         tag_dir.mkdir(parents=True, exist_ok=True)
         files = [(tag_dir / name, obj) for name, obj, _ in self.files()]
         filler = Filler(self.holes, self._tensors, self.params)
-        filler.fill([(path, save_skeleton(obj, path)) for path, obj in files], fork=fork)
+        filler.fill([(path, save_skeleton(obj, path)) for path, obj in files])
         return [path for path, _ in files]
 
 
 def write_checkpoint(
-    description: dict,
-    tensors: TensorSource,
-    out_dir: Path,
-    tag: str,
-    world_size: int | None = None,
-    fork: bool = False,
+    description: dict, tensors: TensorSource, out_dir: Path, tag: str, world_size: int | None = None
 ) -> list[Path]:
     """Write ``out_dir/<tag>/`` files and ``out_dir/latest`` for one step; returns the files written.
 
     ``tensors`` supplies stored tensors (see ``TensorSource``), each read once, from several
-    threads, or with ``fork`` (they are read from local files) from forked worker processes
-    where that pays (``Filler.fill``). ``world_size`` defaults to the committed one. ``latest`` is written last, so a
+    threads, or, read from local files, forked worker processes where that pays (``Filler.fill``). ``world_size`` defaults to the committed one. ``latest`` is written last, so a
     directory without it is never a usable checkpoint. Raises CorruptError if a needed tensor
     is missing and UnsupportedError for layouts this version cannot write.
     """
     writer = StepWriter(description, tensors, world_size or description["world_size"])
-    written = writer.write(out_dir / tag, fork=fork)
+    written = writer.write(out_dir / tag)
     if writer.stage > 0:
         _copy_recovery_scripts(out_dir)
     (out_dir / "latest").write_text(tag)

@@ -59,7 +59,7 @@ def materialize(
     tensors = step_reader(objects, catalog, step, description, sources, readahead=True)
 
     with outputs.building(out, "materialize", step) as staging:
-        write_checkpoint(description, tensors, staging, tag, world_size, fork=objects.reads_are_local)
+        write_checkpoint(description, tensors, staging, tag, world_size)
         auxfiles.copy_out(objects, files, staging, step, allow_pickle=allow_pickle)
     return out
 

@@ -71,6 +71,8 @@ class StepReader:
         self.step = step
         # A local read maps the range: one request per entry costs nothing to coalesce away.
         readahead = readahead and not objects.reads_are_local
+        # Whether reads are of local files (CPU work, as decoding is) or cross a network.
+        self.reads_are_local = objects.reads_are_local
         self._objects = objects
         self._sizes = sizes
         self.rows: dict[tuple[str, str], list[TensorRow]] = defaultdict(list)
