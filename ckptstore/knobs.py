@@ -110,13 +110,14 @@ def io_threads() -> int:
 
 @setting("EXPORT_THREADS", "integer")
 def export_threads() -> int:
-    """Most decoders an export from a local store runs: by default on Linux a forked process
-    per core this process may use (``cpu_threads``), elsewhere a thread per core and one more,
-    so an export runs on every core. Threads of one process decode without the GIL for the
-    bulk of the bytes, but its calls are short enough (13-30 us) that two threads keep handing
-    it to each other (2 threads took 0.65x-0.74x of one on the 2-core bench box, 2 processes
-    0.52x). Once capped at 4 threads (on a 16-core machine a 267M model's bf16 export took
-    0.86 s on one thread, 0.40-0.43 s on 4 and 0.62-0.65 s on 16)."""
+    """Most decoders an export from a local store runs: by default on Linux a worker process
+    per core this process may use (``cpu_threads``; ``forked.worth_running`` forks fewer where
+    forking costs more than it saves), elsewhere a thread per core and one more. Threads of
+    one process decode without the GIL for the bulk of the bytes, but their calls are short
+    enough (13-30 us) that two keep handing it to each other: on the 2-core bench box two
+    threads took 0.65x-0.72x of one's time, two processes 0.56x-0.61x. Once a fixed 4 threads
+    (on a 16-core machine a 267M model's bf16 export took 0.86 s on one thread, 0.40-0.43 s on
+    4 and 0.62-0.65 s on 16)."""
     return read_int("EXPORT_THREADS", min(cpu_threads() + 1, MAX_THREADS), 1, MAX_THREADS)
 
 

@@ -8,9 +8,9 @@ turns, what a user runs to get a Hugging Face weights folder:
 - DeepSpeed: ``convert_zero_checkpoint_to_state_dict(dir, out, dtype=..., safe_serialization=True)``
   (what ``zero_to_fp32.py --safe_serialization`` does) from DeepSpeed's own directory;
 - ckptstore: ``store.export(step, out, dtype=...)`` from the store;
-each for float32 and bfloat16 output. Reported: median seconds, CPU seconds (every thread's,
-user and system) and peak extra resident memory (above the process's level once its imports
-are done, sampled every 5 ms), and our ratios. Absolute times on a shared box are noise; the
+each for float32 and bfloat16 output. Reported: median seconds, CPU seconds (every thread's and
+forked worker's, user and system) and peak extra resident memory (above the process's level
+once its imports are done, plus each forked worker's own pages, its USS, sampled every 5 ms), and our ratios. Absolute times on a shared box are noise; the
 ratios, measured side by side, are the result (and CPU seconds are the steadier measure where
 other jobs share the cores).
 """
@@ -49,13 +49,27 @@ process = psutil.Process()
 base = process.memory_info().rss
 peak = [base]
 done = threading.Event()
+workers = {}  # a forked worker's pid -> its own pages (USS), last read
+def resident(tick=0):
+    # With its forked workers (export's, materialize's): each worker's pages of its own (USS:
+    # not those it still shares with this process since the fork), read every 50 ms only, as
+    # reading them costs more than a worker's memory changes.
+    if tick % 10 == 0:
+        workers.clear()
+        for child in process.children():
+            try:
+                workers[child.pid] = child.memory_full_info().uss
+            except psutil.Error:  # gone
+                pass
+    return process.memory_info().rss + sum(workers.values())
 def sample():
+    tick = 0
     while not done.wait(0.005):
-        peak[0] = max(peak[0], process.memory_info().rss)
+        tick += 1
+        peak[0] = max(peak[0], resident(tick))
 threading.Thread(target=sample, daemon=True).start()
-def cpu():
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+def cpu():  # the workers' too, once reaped
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 cpu_started, started = cpu(), time.perf_counter()
 if tool == "deepspeed":
     convert_zero_checkpoint_to_state_dict(source, out, dtype=getattr(torch, dtype), safe_serialization=True)
@@ -64,7 +78,7 @@ else:
         store.export(store.steps()[-1], out, dtype=dtype)
 seconds, cpu_seconds = time.perf_counter() - started, cpu() - cpu_started
 done.set()
-peak[0] = max(peak[0], process.memory_info().rss)
+peak[0] = max(peak[0], resident())
 print(json.dumps({"seconds": seconds, "cpu": cpu_seconds, "peak": peak[0] - base}))
 """
 
