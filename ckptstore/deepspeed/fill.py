@@ -184,7 +184,10 @@ class Filler:
         )
         if processes > 1:
             bar = progress_bar(range(len(by_size)), desc=desc, unit="param")
-            fill = partial(self._fill_item, whole=whole)
+
+            def fill(item: tuple[str, list[tuple[Put, Segment, torch.dtype]]]) -> None:
+                self.fill_parameter(*item, whole=whole)
+
             forked.run_forked(by_size, fill, lambda: next(bar, None), processes)
             return
         with ThreadPoolExecutor(knobs.cpu_threads() if local else knobs.io_threads()) as pool:
@@ -196,9 +199,6 @@ class Filler:
                 for task in tasks:
                     task.cancel()
                 raise
-
-    def _fill_item(self, item: tuple[str, list[tuple[Put, Segment, torch.dtype]]], whole: bool) -> None:
-        self.fill_parameter(*item, whole=whole)
 
     def fill_parameter(
         self, name: str, targets: list[tuple[Put, Segment, torch.dtype]], whole: bool = True

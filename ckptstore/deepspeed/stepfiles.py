@@ -60,8 +60,9 @@ def write_checkpoint(
     """Write ``out_dir/<tag>/`` files and ``out_dir/latest`` for one step; returns the files written.
 
     ``tensors`` supplies stored tensors (see ``TensorSource``), each read once, from several
-    threads, or, read from local files, forked worker processes where that pays (``Filler.fill``). ``world_size`` defaults to the committed one. ``latest`` is written last, so a
-    directory without it is never a usable checkpoint. Raises CorruptError if a needed tensor
+    threads, or, read from local files, forked worker processes where that pays
+    (``Filler.fill``). ``world_size`` defaults to the committed one. ``latest`` is written
+    last, so a directory without it is never a usable checkpoint. Raises CorruptError if a needed tensor
     is missing and UnsupportedError for layouts this version cannot write.
     """
     writer = StepWriter(description, tensors, world_size or description["world_size"])
