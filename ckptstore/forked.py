@@ -121,10 +121,14 @@ def _fill_queue(fd: int, count: int) -> int:
     number per task for 16384 tasks); return the tasks in each batch."""
     numbers = max(1, fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) // _NUMBER.size)
     per = max(1, -(-count // numbers))
-    view = memoryview(b"".join(_NUMBER.pack(i) for i in range(-(-count // per))))
-    while view:
-        view = view[os.write(fd, view) :]
+    _write_all(fd, b"".join(_NUMBER.pack(i) for i in range(-(-count // per))))
     return per
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:  # a pipe may take less than asked
+        view = view[os.write(fd, view) :]
 
 
 def _next_batch(tasks: Sequence[T], per: int, fd: int) -> Sequence[T] | None:
@@ -148,9 +152,7 @@ def _work(tasks: Sequence[T], per: int, queue: int, run: Callable[[T], None], fd
                 os.write(fd, _DONE)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        report = _FAILED + json.dumps(_described(exc)).encode()
-        while report:
-            report = report[os.write(fd, report) :]
+        _write_all(fd, _FAILED + json.dumps(_described(exc)).encode())
     finally:
         os._exit(code)  # no exit handlers, no flushing of the parent's buffers, no destructors
 

@@ -1,6 +1,6 @@
 """A model's weights into safetensors files: each tensor decoded, cast and written by a few
-threads, or (a local store on Linux) by a forked process per core (``processes``), the tensors
-balanced over them by size.
+threads, or (a local store on Linux) by forked worker processes (``forked``), each taking the
+next largest tensor as it gets free.
 
 Several tensors are in flight, largest first across every file, so that one's decoding (zstd
 and the hash release the GIL) overlaps another's cast and ``pwrite``. A tensor stored in packs
@@ -139,7 +139,7 @@ def write_files(
     tensors of ``entries`` (name -> Weight) read from ``weights`` (``StepWeights`` or
     ``DcpStepWeights``), floating point ones cast to ``dtype``, or taken from ``buffers``, on
     ``threads`` threads, or, ``processes`` > 1, in that many forked processes of one thread
-    each (``processes.run_forked``: only for a store whose reads are local files). ``next(bar)``
+    each (``forked.run_forked``: only for a store whose reads are local files). ``next(bar)``
     as each is written. Raises what reading raises (NotFoundError, CorruptError)."""
     stored = {
         name: weights.stored_dtype(weight) if isinstance(weights, StepWeights) else None
@@ -167,12 +167,10 @@ def write_files(
                 _write_whole(file, weight, weights, dtype, memory)
         opened.done(path)
 
-    def cost(task: tuple[Path, str]) -> int:
-        return tensor_bytes(*files[task[0]][task[1]])
-
     # Largest first, so no big tensor starts last while the other threads sit idle.
     tasks = sorted(
-        ((path, name) for path, layout in files.items() for name in layout), key=lambda t: -cost(t)
+        ((path, name) for path, layout in files.items() for name in layout),
+        key=lambda task: -tensor_bytes(*files[task[0]][task[1]]),
     )
     try:
         if processes > 1:
