@@ -26,7 +26,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from . import knobs
+from . import knobs, pathnames
 from .errors import BadInputError, CorruptError, NotFoundError, clip
 from .format import plainfile
 from .format.layout import file_name
@@ -110,15 +110,10 @@ def refusal(path: object) -> str | None:
     ``RESERVED`` nor a ``global_step*`` folder. The materialized tag's own folder is refused by
     ``materialize.directory.check_tag``, which can compare first parts exactly because of this.
     """
-    if not isinstance(path, str) or not path:
-        return "is not a path"
-    if "\\" in path or "\0" in path:
-        return "holds a backslash or NUL"
-    if path.startswith("/"):
-        return "is absolute"
+    reason = pathnames.refusal(path)
+    if reason is not None:
+        return reason
     parts = path.split("/")
-    if any(part in ("", ".", "..") for part in parts):
-        return "is not a canonical relative path (empty, '.' or '..' parts)"
     if parts[0] in RESERVED or parts[0].startswith("global_step"):
         return "would replace part of the DeepSpeed checkpoint"
     return None
@@ -270,7 +265,7 @@ def _read(objects: ObjectStore, row: FileRow) -> bytes:
 def _write_new(target: Path, data: bytes, step: int, path: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        handle = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        handle = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except FileExistsError:
         raise CorruptError(
             f"step {step}'s auxiliary file {path} would replace a file already written"

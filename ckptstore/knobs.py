@@ -321,6 +321,15 @@ def peer_timeout() -> float:
     return read_float("PEER_TIMEOUT", 300.0, DAY, positive=True, limit="a day")
 
 
+@setting("PATTERN_SECONDS", "number")
+def pattern_seconds() -> float:
+    """Seconds one regular expression of a step's ``universal_checkpoint_info`` may take to
+    match one parameter name (``deepspeed.universal_info.matches``) before the step is refused:
+    DeepSpeed's patterns take microseconds, one written to backtrack could take hours; above 0,
+    at most a minute."""
+    return read_float("PATTERN_SECONDS", 1.0, 60.0, positive=True, limit="a minute")
+
+
 @setting("NODE", "node name")
 def node() -> str:
     """This process's node, for choosing replica peers ("" or unset: torchrun's GROUP_RANK,

@@ -100,7 +100,10 @@ class Store(StoreQueries, TierVerbs):
         is saved). Do not change the engine's state any other way (``load_checkpoint``,
         editing weights) before ``handle.result()``. Hashing, compression, writes and
         recording run in the background too. ``handle.result()`` or ``store.wait()`` waits
-        and raises if that failed; the next commit and ``close()`` wait too.
+        and raises if that failed; the next commit and ``close()`` wait too. The error is
+        raised once: after ``handle.result()`` raised it, neither ``store.wait()``, the next
+        commit (which then commits its own step) nor ``close()`` raises it again; else the
+        first of them raises it (the next commit then records nothing of its own step).
 
         Raises ConflictError if the step exists, BadInputError (before any work) for a step
         outside 0..2**63-1, an ``engine`` that is no DeepSpeed engine, ``layers`` that are not

@@ -1,6 +1,7 @@
 """Shared pytest set-up.
 
 * Puts the repository root on sys.path so tests can ``from tools.engines import ...``.
+* Points TORCH_EXTENSIONS_DIR at this checkout's own folder (tools.engines.own_torch_extensions_dir).
 * Sets the single-process CPU DeepSpeed environment (DS_ACCELERATOR=cpu, MASTER_ADDR/PORT, RANK,
   WORLD_SIZE, LOCAL_RANK) at import time, i.e. before collection imports deepspeed anywhere: the
   accelerator is chosen once, at deepspeed's first use, so a fixture would run too late.
@@ -30,8 +31,15 @@ if str(_ROOT) not in sys.path:
 
 # The loopback S3 server (session) and a bucket per test: see tests/moto_s3.py.
 from tests.moto_s3 import machine, s3, s3_server  # noqa: E402, F401
-from tools.engines import finalize_distributed, setup_single_process_env  # noqa: E402
+from tools.engines import (  # noqa: E402
+    finalize_distributed,
+    own_torch_extensions_dir,
+    setup_single_process_env,
+)
 
+# The suite's JIT-built DeepSpeed ops live in this checkout (under .venv/), whatever the shell says:
+# a stale build lock in a shared ~/.cache/torch_extensions would stall every engine (issue 54).
+os.environ["TORCH_EXTENSIONS_DIR"] = own_torch_extensions_dir()
 setup_single_process_env()
 
 _EXIT_STATUS: list[int] = []

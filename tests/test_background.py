@@ -153,6 +153,29 @@ def test_an_error_of_a_background_commit_surfaces_at_the_next_commit(tmp_path):
     assert store.steps() == []
 
 
+def test_an_error_raised_by_result_is_raised_once_and_the_next_commit_saves_its_own_step(tmp_path):
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    healthy_put = store.objects.put_if_absent
+    store.objects.put_if_absent = lambda name, data: (_ for _ in ()).throw(
+        StorageError("injected: disk gone")
+    )
+    failed = store.commit(engine, step=1, blocking=False)
+    with pytest.raises(StorageError, match="disk gone"):
+        failed.result()
+    with pytest.raises(StorageError, match="disk gone"):
+        failed.result()  # the handle answers as often as it is asked
+    store.objects.put_if_absent = healthy_put
+    train(engine, DATA[1:2])
+
+    assert store.commit(engine, step=2, blocking=False).result().step == 2
+    assert store.wait().step == 2  # the commit in flight's report, not the old error
+    assert store.commit(engine, step=3).step == 3
+    store.close()  # raises nothing: the error was delivered
+    assert ckptstore.open(tmp_path / "store").steps() == [2, 3]
+
+
 def test_closing_the_store_flushes_a_commit_in_flight(tmp_path):
     store = ckptstore.open(tmp_path / "store")
     engine = build_engine("llama", zero_stage=3, dtype="bf16", seed=0, num_layers=2)

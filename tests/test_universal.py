@@ -193,3 +193,93 @@ def test_a_malformed_universal_checkpoint_info_is_refused_at_commit_naming_its_k
     store.commit(engine, step=1, client_state={"universal_checkpoint_info": good})
     destroy_engine(engine)
     assert store.steps() == [1]
+
+
+def commit_named_module(store, tmp_path, module_name: str, step: int = 1) -> None:
+    """Commit (ZeRO-1, fp32) a one-layer model whose only module is called ``module_name``
+    (PyTorch allows a '/' in a module's name, so a parameter may be named by a path)."""
+    import collections
+
+    import deepspeed
+
+    from tools.engines import ds_config
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(collections.OrderedDict([(module_name, torch.nn.Linear(8, 8))]))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(1, "fp32", scheduler=False, optimizer={"params": {"torch_adam": True}}),
+    )
+    engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
+    store.commit(engine, step=step, client_state=CLIENT_STATE)
+    destroy_engine(engine)
+
+
+def test_a_parameter_named_by_an_absolute_path_is_refused_and_nothing_is_written_outside_the_output(
+    tmp_path, run
+):
+    # A store's writer names a module by an absolute path: ds_to_universal would join it to
+    # zero/ as it is and write fp32.pt, exp_avg.pt... there. The reader's materialize refuses
+    # the step before writing anything, naming the parameter; a name with '/' inside is
+    # nested folders under zero/, as ds_to_universal writes it.
+    store = ckptstore.open(tmp_path / "store", create=True)
+    outside = tmp_path / "outside"
+    commit_named_module(store, tmp_path, str(outside / "planted"), step=1)
+    commit_named_module(store, tmp_path, "blocks/0", step=2)
+    store.close()
+
+    refused = run("--store", tmp_path / "store", "materialize", "--universal", "--step", 1, tmp_path / "out")
+
+    assert refused.returncode == 6, refused
+    assert f"{outside}/planted.bias" in refused.stderr and "is absolute" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert not outside.exists() and not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+    nested = run("--store", tmp_path / "store", "materialize", "--universal", "--step", 2, tmp_path / "out")
+    assert nested.returncode == 0, nested.stderr
+    zero = tmp_path / "out" / "global_step2_universal" / "zero"
+    assert sorted(p.name for p in (zero / "blocks" / "0.weight").iterdir()) == [
+        "exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt",
+    ]  # fmt: skip
+
+
+# Matched with re.match, as ds_to_universal matches, this takes hours on a 38-character name.
+BACKTRACKING = r"(.|\w)*(?<=X)"
+
+
+def test_a_pattern_that_backtracks_without_bound_is_refused_at_commit_and_a_planted_one_at_read(
+    tmp_path, run, monkeypatch
+):
+    monkeypatch.setenv("CKPTSTORE_PATTERN_SECONDS", "0.2")
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=1)
+    train(engine, DATA[:1])
+    slow = {"universal_checkpoint_info": {"tp_replicated_parameter_patterns": [BACKTRACKING]}}
+
+    with pytest.raises(BadInputError, match=r"universal_checkpoint_info.*takes more than 0.2 s to match"):
+        store.commit(engine, step=1, client_state=slow)
+    assert store.steps() == []
+    too_long = {"universal_checkpoint_info": {"tp_replicated_parameter_patterns": ["x" * 1025]}}
+    with pytest.raises(BadInputError, match="longer than 1024 characters"):
+        store.commit(engine, step=1, client_state=too_long)
+    affine = {"universal_checkpoint_info": {"affine_map": {"params": {"((": {}}}}}
+    with pytest.raises(BadInputError, match="affine_map has a pattern that is no regular expression"):
+        store.commit(engine, step=1, client_state=affine)
+
+    # A writer of the store who skips the commit's check plants the pattern in a step.
+    from ckptstore.deepspeed import universal_info
+
+    with monkeypatch.context() as planting:
+        planting.setattr(universal_info, "check_patterns", lambda *args: None)
+        store.commit(engine, step=1, client_state=slow)
+    destroy_engine(engine)
+    store.close()
+
+    refused = run("--store", tmp_path / "store", "materialize", "--universal", "--step", 1, tmp_path / "out")
+
+    assert refused.returncode == 4, refused
+    assert "step 1" in refused.stderr and "backtracks without bound" in refused.stderr
+    assert not (tmp_path / "out").exists()

@@ -18,9 +18,9 @@ torch 2.13 CPU:
   ``deepspeed.init_distributed``, gloo backend on CPU), and reused by every later engine. Never
   destroy it between engines; ``build_engine`` calls ``init_distributed`` itself, which is a no-op
   once initialized. The first build also JIT-compiles DeepSpeed's shm comm op (gcc, a few seconds,
-  cached afterwards under ~/.cache/torch_extensions).
+  cached afterwards in this checkout's own TORCH_EXTENSIONS_DIR, see ``own_torch_extensions_dir``).
 * The first engine in a process takes ~6 s (loading the JIT-built ops); later ones ~0.03 s
-  (ZeRO 3: ~0.45 s). On a machine with an empty ~/.cache/torch_extensions (or TORCH_EXTENSIONS_DIR)
+  (ZeRO 3: ~0.45 s). On a checkout with an empty TORCH_EXTENSIONS_DIR
   the first build JIT-compiles deepspeed_shm_comm (~45 s) and fused_adam (~85 s): cache that
   directory in CI. ``optimizer={"params": {"torch_adam": True}}`` skips the fused_adam build.
 * Old engines need not be destroyed for correctness: engines built one after another are fully
@@ -46,6 +46,7 @@ import copy
 import gc
 import os
 import socket
+import sys
 from typing import Any
 
 import torch
@@ -117,9 +118,24 @@ def two_node_agents(
     return [(agent.returncode, output) for agent, output in zip(agents, outputs, strict=True)]
 
 
+def own_torch_extensions_dir() -> str:
+    """This checkout's own folder for DeepSpeed's JIT-built ops: the running virtual environment's
+    ``torch_extensions`` (``.venv/torch_extensions`` under the README's set-up), else
+    ``.torch_extensions`` at the repository root.
+
+    Why not ~/.cache/torch_extensions: a job killed while building an op leaves a ``lock`` file there
+    that makes every later build in that cache wait forever, and a venv at another path makes
+    DeepSpeed rebuild every op in it; a checkout's own folder is stalled by nothing outside it."""
+    if sys.prefix != sys.base_prefix:
+        return os.path.join(sys.prefix, "torch_extensions")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".torch_extensions")
+
+
 def setup_single_process_env() -> None:
     """Environment for a 1-rank CPU DeepSpeed job. Never overrides values already set (e.g. by
-    torch.distributed.run / the deepspeed launcher)."""
+    torch.distributed.run / the deepspeed launcher); JIT-built ops go to this checkout's own folder
+    (``own_torch_extensions_dir``) unless TORCH_EXTENSIONS_DIR is set."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", own_torch_extensions_dir())
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:

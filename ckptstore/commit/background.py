@@ -6,8 +6,9 @@ same shapes, so memory stays bounded by one snapshot. The copy itself runs in th
 too, overlapping the next forward and backward passes, which only read the optimizer's
 tensors: a ``SnapshotGate`` hooks the engine's optimizer so that its next ``step`` waits until
 the copy is done (the DataStates-LLM idea). Hashing, compression, uploads and recording then
-run on the same background thread; a commit waits for the previous one, and errors surface
-from ``CommitHandle.result()``, ``Store.wait()``, the next commit, or ``Store.close()``.
+run on the same background thread; a commit waits for the previous one, and its error surfaces
+once: from ``CommitHandle.result()`` (as often as it is asked), else from the first of
+``Store.wait()``, the next commit or ``Store.close()``.
 """
 
 from __future__ import annotations
@@ -166,14 +167,28 @@ class CommitHandle:
     def __init__(self, step: int, future: Future) -> None:
         self.step = step
         self._future = future
+        self._error_delivered = False  # result() raised the commit's error to its caller
 
     def done(self) -> bool:
         """Whether the commit has finished (successfully or not)."""
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> Any:
-        """Wait until the step is durable and return its CommitReport; re-raises its error."""
-        return self._future.result(timeout)
+        """Wait until the step is durable and return its CommitReport; re-raises its error
+        (every time it is asked: ``Store.wait``, the next commit and ``close`` then no longer do)."""
+        try:
+            return self._future.result(timeout)
+        except BaseException:
+            if self._future.done():  # the commit's own error, not a wait that timed out
+                self._error_delivered = True
+            raise
+
+    def outcome_once(self) -> Any:
+        """Wait for the commit; its report, or its error unless ``result()`` raised it already
+        (then None): an error reaches the training loop once, wherever it was asked first."""
+        if self._error_delivered:
+            return None
+        return self.result()
 
 
 class CommitQueue:
@@ -222,9 +237,10 @@ class CommitQueue:
             raise
 
     def wait(self) -> Any:
-        """Wait for the commit in flight, if any; raises its error once."""
+        """Wait for the commit in flight, if any; raises its error once: not when its handle's
+        ``result()`` raised it already (``CommitHandle.outcome_once``)."""
         handle, self._pending = self._pending, None
-        return None if handle is None else handle.result()
+        return None if handle is None else handle.outcome_once()
 
     def close(self) -> None:
         """Flush the commit in flight and stop the worker; raises the commit's error."""

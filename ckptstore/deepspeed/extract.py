@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInputError, UnsupportedError
+from ..errors import BadInputError, UnsupportedError, clip
 from ..format import plainstate
 from ..format.codec import dtype_name
 from ..model import BUFFER, FP32, WEIGHT, Piece, Snapshot
@@ -72,10 +72,29 @@ def check_engine(engine: Any, flavour: str) -> None:
     """UnsupportedError for engines ckptstore cannot store or restore faithfully (tensor
     parallelism, elastic checkpoints, parameter-alignment padding)."""
     parallel.check_supported(engine)
+    check_no_experts(engine)
     if flavour == ZERO12 and getattr(engine.optimizer, "elastic_checkpoint", False):
         raise UnsupportedError("zero_optimization.elastic_checkpoint is not supported; turn it off")
     if flavour == ZERO12 and any(any(p) for p in engine.optimizer.round_robin_bit16_padding):
         raise UnsupportedError("zero_optimization.parameter_alignment padding is not supported")
+
+
+def check_no_experts(engine: Any) -> None:
+    """UnsupportedError naming the first Mixture-of-Experts layer (``deepspeed.moe.layer.MoE``)
+    of an engine that has one: DeepSpeed saves its experts in files of their own
+    (``layer_*_expert_*_model_states.pt``, ``expp_rank_*`` optimizer files) that this version
+    neither stores nor writes, so a step of it would not load (DESIGN.md invariant 9)."""
+    if not getattr(engine, "has_moe_layers", False):
+        return
+    found = next(
+        (name for name, module in engine.module.named_modules() if type(module).__name__ == "MoE"),
+        "(unnamed)",
+    )
+    raise UnsupportedError(
+        f"the model's Mixture-of-Experts layer {clip(found or '(the model itself)', 120)} (deepspeed.moe.layer.MoE) "
+        "is not supported yet: DeepSpeed keeps its experts in files of their own (layer_*_expert_*, expp_rank_*) "
+        "that ckptstore does not store, so a step of it could not be loaded; engine.save_checkpoint saves it"
+    )
 
 
 def dp_rank(engine: Any) -> int:
@@ -240,7 +259,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     if autotp_info is not None:  # what AutoTP's save writes for ds_to_universal
         model_state[universal_info.UNIVERSAL_INFO] = autotp_info
     model_state.update(client_state or {})
-    universal_info.check_universal_info(model_state.get(universal_info.UNIVERSAL_INFO))
+    info = model_state.get(universal_info.UNIVERSAL_INFO)
+    universal_info.check_universal_info(info)
+    names = [name for name, _ in engine.module.named_parameters()] + list(module)
+    universal_info.check_patterns(info, names, universal_info.UNIVERSAL_INFO, BadInputError)
     osd = engine.optimizer.state_dict() if zero else model_state["optimizer"]
     rank = dp_rank(engine)
     world_size = model_state["dp_world_size"]

@@ -117,7 +117,7 @@ class Filler:
         fds = []
         try:
             for path, storages in skeletons:
-                fd = os.open(path, os.O_WRONLY)
+                fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 fds.append(fd)
                 for storage, offset in storages:
                     entry = self.holes.segments.get(storage.data_ptr())

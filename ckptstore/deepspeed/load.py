@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import pathnames
 from ..errors import CorruptError
 from ..model import FP32, WEIGHT
 from . import parallel
@@ -192,7 +193,9 @@ def load_from_memory(
         folder = Path(scratch) / tag
         folder.mkdir()
         for name in files:
-            (folder / name).touch()
+            pathnames.new_file(
+                pathnames.join(folder, name, "a file of the step", flat=True), "a file of the step"
+            )
         (Path(scratch) / "latest").write_text(tag)
         own_engine = engine.checkpoint_engine
         engine.checkpoint_engine = _memory_engine_class()(files)
@@ -270,9 +273,10 @@ def start_module_weights(engine: Any, flavour: str) -> Callable[[], None]:
     """Begin setting the engine's module weights from its fp32 masters, as the optimizer's
     ``update_lp_params`` does after every step (cast this rank's partition down, then
     all-gather the partitions), but with the all-gathers in flight while the caller goes on;
-    returns the function that waits for them. Collective: every rank of the data-parallel
-    group calls both. Where this DeepSpeed keeps its groups elsewhere, the wait runs
-    ``update_lp_params`` itself instead."""
+    returns the function that waits for them, which the caller calls before anything else reads
+    or writes the module weights (``load_checkpoint`` does: gloo fills them on its own thread).
+    Collective: every rank of the data-parallel group calls both. Where this DeepSpeed keeps its
+    groups elsewhere, the wait runs ``update_lp_params`` itself instead."""
     from deepspeed import comm
 
     optimizer = engine.optimizer

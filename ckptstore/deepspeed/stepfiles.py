@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .. import pathnames
 from . import parallel
 from .fill import Filler, Placeholders, TensorSource
 from .torchfile import save_skeleton
@@ -47,8 +48,13 @@ class StepWriter:
         return [(name, obj, (w.mp_rank, reader)) for w in self.writers for name, obj, reader in w.files()]
 
     def write(self, tag_dir: Path) -> list[Path]:
+        files = [
+            (pathnames.join(tag_dir, name, "a file of the step", flat=True), obj)
+            for name, obj, _ in self.files()
+        ]
         tag_dir.mkdir(parents=True, exist_ok=True)
-        files = [(tag_dir / name, obj) for name, obj, _ in self.files()]
+        for path, _ in files:
+            pathnames.new_file(path, "a file of the step")
         filler = Filler(self.holes, self._tensors, self.params)
         filler.fill([(path, save_skeleton(obj, path)) for path, obj in files])
         return [path for path, _ in files]

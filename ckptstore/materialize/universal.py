@@ -32,12 +32,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 
 import torch
 
-from .. import tensorsplit
+from .. import pathnames, tensorsplit
 from ..catalog import Catalog
 from ..deepspeed import parallel
 from ..deepspeed import universal_info as info_keys
@@ -45,7 +44,7 @@ from ..deepspeed.fill import Filler, TensorSource, stored_tensor
 from ..deepspeed.layout import BF16_OPTIMIZER, ZERO12
 from ..deepspeed.stepfiles import StepWriter
 from ..deepspeed.torchfile import save_skeleton
-from ..errors import UnsupportedError
+from ..errors import CorruptError, UnsupportedError
 from ..model import FP32
 from ..objects import ObjectStore
 from . import outputs
@@ -96,7 +95,17 @@ def check_reachable(description: dict, step: int) -> None:
         name for m in range(parallel.size(description))
         for group in parallel.rank_description(description, m)["groups"] for name in group["params"]
     }  # fmt: skip
+    module_keys = {
+        key for m in range(parallel.size(description))
+        for key, _ in parallel.rank_description(description, m).get("module_keys", ())
+    }  # fmt: skip
+    for name in sorted(trainable | module_keys):
+        # Each becomes zero/<name>/ (ds_to_universal joins the name to the folder as it is, so
+        # a name with '/' is nested folders both ways, and an absolute one would leave the output)
+        pathnames.join(Path(), name, f"{what}: the parameter", UnsupportedError)
     info = universal_info(description)
+    # Every pattern against every name once, bounded in time, before anything is written.
+    info_keys.check_patterns(info, sorted(trainable | module_keys), f"step {step}", CorruptError)
     for name in sorted(trainable):
         if merge_kind(info, name) == SUB and legacy_sub_params(info, name):
             raise UnsupportedError(
@@ -126,14 +135,14 @@ def _matches(info: dict, key: str, name: str) -> bool:
 
 def _affine_map(info: dict, name: str) -> dict | None:
     params = (info.get("affine_map") or {}).get("params") or {}
-    matched = [pattern for pattern in params if re.match(pattern, name)]
+    matched = [pattern for pattern in params if info_keys.match(pattern, name) is not None]
     return params[matched[0]] if matched else None
 
 
 def _sub_params(info: dict, name: str) -> tuple[dict, str] | tuple[None, None]:
     for entry in info.get(info_keys.SUB_PARAMS) or ():
         for pattern in entry["patterns"]:
-            if re.match(pattern, name):
+            if info_keys.match(pattern, name) is not None:
                 return entry, pattern
     return None, None
 
@@ -208,25 +217,27 @@ def write_universal(description: dict, tensors: TensorSource, folder: Path) -> N
     }  # fmt: skip
     info, degree = universal_info(description), parallel.tensor_size(description)
     zero = folder / "zero"
+    zero.mkdir(parents=True)
+    written: set[str] = set()
     # Each parameter from the first model-parallel rank holding it (pipe-major: the first
     # stage's copy of a tied weight, tensor-parallel rank 0's step), as ds_to_universal reads it.
     for rank in writer.writers:
         state = optim[rank.mp_rank]["base_optimizer_state"]["state"]
         for g, group in enumerate(rank.d["groups"]):
             for name in group["params"]:
-                target = zero / name
-                if target.exists():
+                if name in written:
                     continue
-                target.mkdir(parents=True)
+                written.add(name)
+                target = parameter_folder(zero, name)
                 if "step" in state[g]:
-                    torch.save(state[g]["step"], target / "step.pt")
+                    save_new(state[g]["step"], target / "step.pt")
                 for kind in STATES:
                     stored = stored_tensor(tensors, name, kind)
-                    torch.save(
+                    save_new(
                         merged(info, name, writer.params[name], degree, stored, kind), target / f"{kind}.pt"
                     )
     if not description.get("model_parallel", {}).get("pipeline", False):
-        write_module_entries(writer, tensors, zero)
+        write_module_entries(writer, tensors, zero, written)
     # zero/optimizer_state.pt: the first rank's, as DeepSpeedCheckpoint reads it
     osd = optim[0]
     common = {key: value for key, value in osd.items() if key not in _SHARDED}
@@ -235,26 +246,41 @@ def write_universal(description: dict, tensors: TensorSource, folder: Path) -> N
         common["group_paddings"] = [0] * len(common["group_paddings"])
     if common.get("partition_count"):
         common["partition_count"] = [description["world_size"]] * len(common["partition_count"])
-    torch.save(common, zero / "optimizer_state.pt")
+    save_new(common, zero / "optimizer_state.pt")
     # The model-states files, as ds_to_universal copies them: materialize's, filled on disk.
-    models = [(folder / name, obj) for name, obj, _ in files if name.startswith("mp_rank_")]
+    models = [
+        (pathnames.new_file(pathnames.join(folder, name, "a file of the step", flat=True), "a file of the step"), obj)
+        for name, obj, _ in files if name.startswith("mp_rank_")
+    ]  # fmt: skip
     Filler(writer.holes, tensors, writer.params).fill(
         [(path, save_skeleton(obj, path)) for path, obj in models]
     )
 
 
-def write_module_entries(writer: StepWriter, tensors: TensorSource, zero: Path) -> None:
+def parameter_folder(zero: Path, name: str) -> Path:
+    """``zero/<name>``, made now: a name ``check_reachable`` let through, made only once (a
+    name another one landed on already, ``a`` beside ``a/fp32.pt``, is refused)."""
+    return pathnames.new_folder(
+        pathnames.join(zero, name, "the parameter", UnsupportedError), "the parameter"
+    )
+
+
+def save_new(obj: object, path: Path) -> None:
+    """``torch.save(obj, path)`` into a file that did not exist (``pathnames.new_file``)."""
+    torch.save(obj, pathnames.new_file(path, "the universal checkpoint"))
+
+
+def write_module_entries(writer: StepWriter, tensors: TensorSource, zero: Path, written: set[str]) -> None:
     """What ds_to_universal writes for the entries of a model's state dict that no optimizer
     group holds (a frozen parameter, a tied one under its other name, a buffer): ``fp32.pt``
     alone, ``{"param": the model-states file's tensor as float}``, each from the first
     model-parallel rank's file that has it (a frozen tensor-parallel parameter: rank 0's
-    slice, as it reads it). A pipeline's model-states files hold no module: nothing then."""
+    slice, as it reads it). A pipeline's model-states files hold no module: nothing then.
+    ``written``: the names written already (each parameter's folder), to which these are added."""
     filler = Filler(writer.holes, tensors, writer.params)
     for rank in writer.writers:
-        missing = {
-            key: tensor for key, tensor in rank.module().items() if not (zero / key / "fp32.pt").exists()
-        }
+        missing = {key: tensor for key, tensor in rank.module().items() if key not in written}
         filler.fill_in_memory(filler.in_memory(list(missing.values())), desc="universal")
         for key, tensor in missing.items():
-            (zero / key).mkdir(parents=True, exist_ok=True)
-            torch.save({"param": tensor.float().clone()}, zero / key / "fp32.pt")
+            written.add(key)
+            save_new({"param": tensor.float().clone()}, parameter_folder(zero, key) / "fp32.pt")
