@@ -273,6 +273,25 @@ def test_a_catalog_page_damaged_where_only_a_later_query_reads_is_one_line_namin
     assert_whole(run, store, tmp_path)
 
 
+def test_text_that_is_not_utf8_in_a_catalog_row_is_damage_naming_catalog_rebuild(tmp_path, run):
+    # Bytes a writer of the catalog file put into steps.description: Python's sqlite3 cannot
+    # decode the row, which is damage like a bad page (exit 4), never an internal error.
+    store = tmp_path / "store"
+    save_dcp_steps(store)
+    with sqlite3.connect(store / "catalog.db") as db:
+        db.execute("UPDATE steps SET description = CAST(X'7bff22fe' AS TEXT) WHERE step = 3")
+    db.close()
+    for command in (["verify"], ["show", "--step", 3], ["materialize", "--step", 3, tmp_path / "out"],
+                    ["gc", "--dry-run", "--keep-last", 1]):  # fmt: skip
+        code, out, err = run("--store", store, *command)
+        assert code == 4, (command, err)
+        assert "is damaged (Could not decode to UTF-8 column 'description'" in err, err
+        assert "`ckptstore catalog rebuild` rebuilds it from the manifests" in err
+    code, out, err = run("--store", store, "catalog", "rebuild")
+    assert code == 0, err
+    assert_whole(run, store, tmp_path)
+
+
 def test_a_step_whose_steps_row_is_gone_while_its_layers_rows_remain_is_imported_again(tmp_path, run):
     # What a killed writer's log replayed onto another file left: rows of a step without its row.
     store = tmp_path / "store"

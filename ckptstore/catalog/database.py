@@ -66,7 +66,9 @@ def damage(exc: BaseException) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     if code is not None:
         return code & 0xFF in _DAMAGE_CODES or code in _DAMAGE_EXTENDED_CODES
-    return "malformed" in str(exc) or "not a database" in str(exc)
+    # Python's sqlite3 raises its own OperationalError, with no SQLite code, for text that is
+    # not UTF-8 in a row: bytes a writer put there, damage all the same.
+    return any(sign in str(exc) for sign in ("malformed", "not a database", "Could not decode to UTF-8"))
 
 
 def _raise_if_damage(connection: sqlite3.Connection, exc: sqlite3.DatabaseError) -> None:
