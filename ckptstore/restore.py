@@ -111,7 +111,6 @@ def restore(
         ranks.each_rank(what, lambda: first_phase(share))
     except CkptStoreError as exc:
         raise type(exc)(f"{exc} ({_MASTERS if written[0] else _UNCHANGED})") from None
-    module_weights = None
     if share.overlaps:
         # The masters are in: the module weights are cast and all-gathered from them while the
         # optimizer state is read, where DeepSpeed would do it after the whole load.
@@ -123,13 +122,18 @@ def restore(
             if isinstance(exc, CkptStoreError):
                 raise type(exc)(f"{exc} ({_STATE})") from None
             raise
+        # Finished before the load, not after it: DeepSpeed's load reads and writes module
+        # weights, the very memory the all-gather fills on gloo's own thread. A pipeline's
+        # (PipelineModule.load_state_dir) ends by broadcasting each tied weight from its first
+        # stage: sent before the gather had filled it, a rank's tied embedding stayed the fresh
+        # engine's on the other stage (seen with the first stage's gloo threads held up, as a
+        # loaded host holds them up).
+        module_weights()
     try:
         _, client_state = load_from_memory(
             engine, engine.load_checkpoint, share.files, f"global_step{chosen}", **options
         )
-        if module_weights is not None:
-            module_weights()
-        elif share.skip_module_weights:  # left unread: derived from the loaded masters
+        if share.skip_module_weights and not share.overlaps:  # left unread: derived from the loaded masters
             engine.optimizer.update_lp_params()
     except CkptStoreError:
         raise

@@ -12,15 +12,18 @@ resumed from, restored into a fresh engine of the same layout, and exported; it 
 into each of the other layouts too (a reshard), saved again (compared tensor for tensor with
 the universal load's save) and trained on. At PP 2 × TP 2, step 4 is committed saving one
 block alone (a composite), materialized, and resumed from. PP 2 × TP 2 at fp32 ZeRO-1, fp32
-ZeRO-0 and bf16 ZeRO-0, and PP 2 × TP 1 × DP 2 at bf16 ZeRO-0 (``VARIANTS``) is committed behind training, materialized (compared file
-by file with the save of the same state), and restored and resumed beside DeepSpeed's own
-resume. Each rank writes what it observed to
+ZeRO-0 and bf16 ZeRO-0, and PP 2 × TP 1 × DP 2 at bf16 ZeRO-0 (``VARIANTS``) is committed
+behind training, materialized (compared file by file with the save of the same state), and
+restored (saved again, compared file by file with the save) and resumed beside DeepSpeed's own
+resume. At PP 2 × TP 1 × DP 2, a restore is run once more with the first stage's async
+all-gathers held until waited on (``gathers_at_wait``). Each rank writes what it observed to
 ``RESULT.<rank>.json``; the pytest side asserts on it. At PP 2 × TP 2, the final norm (an
 averaged parameter) is let drift apart on TP rank 1 before the save and the commit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -155,14 +158,17 @@ def resumed(
     store=None,
     tag: str | None = TAG,
     data: list = DATA[4:8],
+    gathers_held: bool = False,
 ) -> dict:
     """A fresh engine of ``layout`` (another seed: nothing of its own survives a load) loaded
-    from ``checkpoint``'s ``tag`` (or restored from ``store``'s step 2, and saved again to
-    ``resave``), then trained on ``data`` (the next two steps)."""
+    from ``checkpoint``'s ``tag`` (or restored from ``store``'s step 2, with ``gathers_held``
+    under ``gathers_at_wait``, and saved again to ``resave``), then trained on ``data`` (the
+    next two steps)."""
     engine = megatron_gpt.build_engine(*layout, seed=1, **(UNIVERSAL if universal else {}))
     try:
         if store is not None:
-            store.restore(engine, step=2)
+            with gathers_at_wait() if gathers_held else contextlib.nullcontext():
+                store.restore(engine, step=2)
         else:
             engine.load_checkpoint(str(checkpoint), tag=tag)
         if resave is not None:
@@ -172,6 +178,36 @@ def resumed(
         run = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
     destroy_engine(engine)
     return run
+
+
+@contextlib.contextmanager
+def gathers_at_wait(first_rank: int = 0):
+    """Every async ``all_gather_into_tensor`` of a group holding global rank ``first_rank`` (at
+    PP 2 × TP 1 × DP 2: the first stage's data-parallel group) runs only when its handle is
+    waited on: as late as ``async_op`` allows, as gloo's own thread may run it on a loaded host.
+    Restore all-gathers the module weights from the masters so (``start_module_weights``)."""
+    from deepspeed import comm
+
+    real = comm.all_gather_into_tensor
+
+    class AtWait:
+        def __init__(self, output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+            self.args = output, tensor, group
+
+        def wait(self) -> None:
+            output, tensor, group = self.args
+            real(output, tensor, group=group)
+
+    def held(output, tensor, group=None, async_op=False):
+        if async_op and first_rank in dist.get_process_group_ranks(group):
+            return AtWait(output, tensor, group)
+        return real(output, tensor, group=group, async_op=async_op)
+
+    comm.all_gather_into_tensor = held
+    try:
+        yield
+    finally:
+        comm.all_gather_into_tensor = real
 
 
 AVERAGED = "6.weight"  # the final norm, a parameter_to_average_patterns one in GPTModelPipe's info
@@ -277,6 +313,8 @@ def scenario(root: Path, layout: tuple[int, int, int], targets: list[tuple[int, 
         run["composite_resumed"] = resumed(layout, root / "composite", tag="global_step4", data=DATA[4:6])
     note(f"{layout} restore")
     run["restored"] = resumed(layout, None, resave=root / "resaved-restored", store=store)
+    if layout == (2, 1, 2):  # the first stage's module-weight all-gathers run late
+        run["restored_gathers_held"] = resumed(layout, None, store=store, gathers_held=True)
     dist.barrier()
     if dist.get_rank() == 0:
         run["resaved_differences"] = {
@@ -374,21 +412,32 @@ def variant(root: Path, layout: tuple[int, int, int], dtype: str, zero_stage: in
     dist.barrier()
     note(f"{root.name} resume and restore")
     run["resumed"] = variant_resumed(layout, options, checkpoint=saved)
-    run["restored"] = variant_resumed(layout, options, store=store)
+    run["restored"] = variant_resumed(layout, options, store=store, resave=root / "resaved-restored")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        resaved = root / "resaved-restored" / TAG
+        run["resaved_differences"] = differences(resaved, saved / TAG) if resaved.exists() else ["not saved"]
     return run
 
 
 def variant_resumed(
-    layout: tuple[int, int, int], options: dict, checkpoint: Path | None = None, store=None
+    layout: tuple[int, int, int],
+    options: dict,
+    checkpoint: Path | None = None,
+    store=None,
+    resave: Path | None = None,
 ) -> dict:
     """A fresh engine of ``layout`` and ``options`` (another seed) loaded from ``checkpoint``
-    or restored from ``store``'s step 2, then trained the next two steps."""
+    or restored from ``store``'s step 2 (and saved again to ``resave``), then trained the next
+    two steps."""
     engine = megatron_gpt.build_engine(*layout, seed=1, **options)
     try:
         if store is not None:
             store.restore(engine, step=2)
         else:
             engine.load_checkpoint(str(checkpoint), tag=TAG)
+        if resave is not None:
+            engine.save_checkpoint(str(resave), tag=TAG)
         run = {"global_steps": engine.global_steps, "losses": megatron_gpt.train(engine, DATA[4:8])}
     except Exception as error:  # a refusal is a result, not a crash of the job
         run = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}

@@ -11,6 +11,11 @@ commit of the same state is materialized and restored beside it, into the same l
 into the others. PP 2 × TP 2 at fp32 ZeRO-1, fp32 ZeRO-0 and bf16 ZeRO-0 is committed behind
 training (``blocking=False``), materialized and restored beside DeepSpeed's own save and
 resume. Every test here reads what it observed.
+
+What must be equal is compared bit for bit: a ckptstore restore or materialize against
+DeepSpeed's own resume (or save) of the same state. DeepSpeed's save and load are not always
+bit-exact on this CPU, most of all on a loaded host, so a resume against the uninterrupted run
+(DeepSpeed's own or ckptstore's) is only asserted close (``CLOSE``).
 """
 
 import json
@@ -27,6 +32,15 @@ WORKER = Path(__file__).with_name("megatron3d_worker.py")
 RANKS = 4
 # (source, target): each step's layout, and the other layouts the job loads it into
 RESHARDS = [("2x2x1", "1x1x4"), ("2x2x1", "2x1x2"), ("2x2x1", "1x2x2"), ("2x1x2", "2x2x1")]
+# How close a resumed run's losses stay to the uninterrupted run's (a relative tolerance): a
+# few ulps of the fp32 losses apart (measured under load: 4.02712965 against 4.02713537).
+CLOSE = 1e-4
+
+
+def close_to_the_uninterrupted_run(losses: list[float], continued: list[float]) -> bool:
+    return len(losses) == len(continued) and all(
+        math.isclose(loss, other, rel_tol=CLOSE) for loss, other in zip(losses, continued, strict=True)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,25 +84,28 @@ def test_deepspeed_writes_the_modules_universal_checkpoint_info_and_the_3d_degre
     assert (info["original_vocab_size"], info["padded_vocab_size"]) == (49, 52)
 
 
-def test_deepspeeds_resume_of_a_pp2_tp2_step_trains_on_as_if_never_stopped(observed):
+def test_deepspeeds_resume_of_a_pp2_tp2_step_restores_what_it_saved_and_trains_on_close_to_the_run(observed):
+    # DeepSpeed alone: saved again right after load_checkpoint, every file is bit-equal to the
+    # save; the next two steps' losses are the uninterrupted run's to a few ulps (bit-equal on a
+    # quiet host, not under load), the reference ckptstore's resumes are held to bit for bit below
+    assert observed[0]["2x2x1"]["resaved_differences"]["deepspeed"] == []
     for rank in observed:
         run = rank["2x2x1"]
         assert run["resumed"]["global_steps"] == 2
-        assert run["resumed"]["losses"] == run["continued"]
-    assert observed[0]["2x2x1"]["resaved_differences"]["deepspeed"] == []
+        assert close_to_the_uninterrupted_run(run["resumed"]["losses"], run["continued"])
 
 
 def test_deepspeeds_resume_of_a_pp2_dp2_step_restores_what_it_saved_but_not_every_last_bit(observed):
-    # Saved again right after load_checkpoint, every file is bit-equal to the save, and the
-    # first step after equals the uninterrupted run's; the second ends a few ulps away
-    # (measured: 3.98947668 against 3.98954535), the same in every resumed engine and in every
-    # uninterrupted one: some state DeepSpeed does not save, with data parallelism in a stage.
+    # Saved again right after load_checkpoint, every file is bit-equal to the save. On a quiet
+    # host the first step after equals the uninterrupted run's and the second ends a few ulps
+    # away (measured: 3.98947668 against 3.98954535), the same in every resumed engine and in
+    # every uninterrupted one: some state DeepSpeed does not save, with data parallelism in a
+    # stage. A DeepSpeed-only comparison: asserted close, not bit for bit
     assert observed[0]["2x1x2"]["resaved_differences"]["deepspeed"] == []
     for rank in observed:
         run = rank["2x1x2"]
         assert run["resumed"]["global_steps"] == 2
-        assert run["resumed"]["losses"][0] == run["continued"][0]
-        assert math.isclose(run["resumed"]["losses"][1], run["continued"][1], rel_tol=1e-4)
+        assert close_to_the_uninterrupted_run(run["resumed"]["losses"], run["continued"])
 
 
 def test_ds_to_universal_joins_every_kind_of_split_of_the_3d_step(observed):
@@ -156,16 +173,32 @@ def test_materialize_of_a_3d_step_writes_deepspeeds_own_files_bit_equal(observed
 @pytest.mark.parametrize("layout", ["2x2x1", "2x1x2"])
 def test_resume_from_materialize_or_restore_of_a_3d_step_equals_deepspeeds_own_resume(observed, layout):
     # saved again right after the load, every file equals DeepSpeed's own save; the next two
-    # steps' losses are those of the resume from DeepSpeed's own directory
+    # steps' losses are, bit for bit, those of the resume from DeepSpeed's own directory (not
+    # the uninterrupted run's: DeepSpeed's own resume is only close to those)
     assert observed[0][layout]["resaved_differences"] == {"deepspeed": [], "materialized": [], "restored": []}
     for rank in observed:
         run = rank[layout]
+        assert "error" not in run["resumed"], run["resumed"].get("traceback")
         for how in ("resumed_from_materialized", "restored"):
             assert "error" not in run[how], run[how].get("traceback")
             assert run[how]["global_steps"] == 2
             assert run[how]["losses"] == run["resumed"]["losses"]
-    if layout == "2x2x1":  # and, as DeepSpeed's own resume, the uninterrupted run's
-        assert all(rank[layout]["restored"]["losses"] == rank[layout]["continued"] for rank in observed)
+
+
+def test_a_restore_whose_module_weight_all_gathers_run_late_still_equals_deepspeeds_own_resume(observed):
+    # PP 2 x TP 1 x DP 2 (bf16 ZeRO-1): restore casts the loaded masters down and all-gathers
+    # the module weights over each stage's data-parallel group on gloo's own thread while it
+    # reads the optimizer state. Here the first stage's all-gathers run only when waited on, as
+    # late as a loaded host may run them; DeepSpeed's load broadcasts the tied embedding from
+    # the first stage to the last, so restore must have them done before it loads. Every rank
+    # (the last stage's data-parallel rank 1 most: the one whose embedding came from a peer)
+    # trains on bit for bit as DeepSpeed's own resume
+    for rank in observed:
+        run = rank["2x1x2"]
+        held = run["restored_gathers_held"]
+        assert "error" not in held, held.get("traceback")
+        assert held["global_steps"] == 2
+        assert held["losses"] == run["resumed"]["losses"]
 
 
 def test_a_3d_composite_saves_one_block_and_inherits_the_rest_from_the_earlier_step(observed):
@@ -314,30 +347,34 @@ def test_a_3d_step_committed_behind_training_materializes_deepspeeds_own_files_b
 
 @pytest.mark.parametrize("variant", [name for name, _ in VARIANTS])
 def test_a_3d_step_committed_behind_training_restores_and_trains_as_deepspeeds_own_resume(observed, variant):
-    # a fresh PP 2 x TP 2 engine restored from the store trains the next two steps to the losses
-    # of a fresh engine resumed with load_checkpoint from DeepSpeed's own save, which are the
-    # uninterrupted run's
+    # a fresh PP 2 x TP 2 engine restored from the store, saved again right after, writes every
+    # file of DeepSpeed's own save of the state committed, bit for bit; it trains the next two
+    # steps to the losses of a fresh engine resumed with load_checkpoint from that save, bit for
+    # bit, and both to the uninterrupted run's, to a few ulps
+    assert observed[0]["variants"][variant]["resaved_differences"] == []
     for rank in observed:
         run = rank["variants"][variant]
         assert "error" not in run["restored"], run["restored"].get("traceback")
         assert run["restored"]["global_steps"] == 2
-        assert run["restored"]["losses"] == run["continued"]
+        assert close_to_the_uninterrupted_run(run["restored"]["losses"], run["continued"])
         if variant == "bf16-zero0" and "error" in run["resumed"]:
             # DeepSpeed 0.19 cannot load its own save of BF16_Optimizer at ZeRO 0: it hands the
             # mp_rank file's optimizer state to load_state_dict, which indexes it by
-            # data-parallel rank; ckptstore's restore gives it the rank's state so
+            # data-parallel rank; ckptstore's restore gives it the rank's state so. What it
+            # restored is then held to the save alone (above)
             assert run["resumed"]["error"] == "KeyError: 0"
             continue
         assert run["resumed"]["global_steps"] == 2
-        assert run["resumed"]["losses"] == run["continued"]
+        assert run["restored"]["losses"] == run["resumed"]["losses"]
 
 
 def test_a_3d_bf16_zero0_step_with_data_parallel_stages_materializes_and_restores(observed):
     # PP 2 x TP 1 x DP 2 at bf16 ZeRO-0, committed behind training: materialize writes every file
     # of the save bit for bit (each data-parallel rank's BF16_Optimizer partition, and rank 0's
     # state in the mp_rank files); the restored engine (each rank given its own partition's state,
-    # the module weights all-gathered from the masters) trains on as the uninterrupted run: the
-    # first step equal, the second a few ulps away, as DeepSpeed's own 2x1x2 resume (above)
+    # the module weights all-gathered from the masters), saved again, writes every file of the
+    # save bit for bit, and trains on as the uninterrupted run to a few ulps, as DeepSpeed's own
+    # 2x1x2 resume (above)
     run = observed[0]["variants"]["bf16-zero0-dp2"]
     assert run["committed"] == {"handle": "CommitHandle", "step": 2}
     assert run["files"] == sorted(
@@ -346,12 +383,12 @@ def test_a_3d_bf16_zero0_step_with_data_parallel_stages_materializes_and_restore
         + [f"bf16_zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt" for dp in (0, 1) for mp in (0, 1)]
     )
     assert run["materialized_differences"] == []
+    assert run["resaved_differences"] == []
     for rank in observed:
         run = rank["variants"]["bf16-zero0-dp2"]
         assert "error" not in run["restored"], run["restored"].get("traceback")
         assert run["restored"]["global_steps"] == 2
-        assert run["restored"]["losses"][0] == run["continued"][0]
-        assert math.isclose(run["restored"]["losses"][1], run["continued"][1], rel_tol=1e-4)
+        assert close_to_the_uninterrupted_run(run["restored"]["losses"], run["continued"])
         # DeepSpeed 0.19's own load fails (KeyError: the rank); where it does not, the same losses
         assert (
             run["resumed"].get("error", "").startswith("KeyError")
