@@ -14,6 +14,13 @@ from tools.engines import batches, build_engine, destroy_engine, train
 
 DATA = batches(6)
 CONFIGS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+# ZeRO-Offload: the masters and Adam moments on the CPU under DeepSpeedCPUAdam, at ZeRO 3 the
+# parameters' partitions too; restored into the engine's own CPU tensors like any other.
+CPU = {"device": "cpu", "pin_memory": True}
+OFFLOAD = {
+    "zero2-fp32-offload-optimizer": (2, "fp32", {"offload_optimizer": CPU}),
+    "zero3-bf16-offload-param": (3, "bf16", {"offload_optimizer": CPU, "offload_param": CPU}),
+}
 
 
 def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
@@ -57,18 +64,25 @@ def own_memory(engine) -> list[int]:
     return [t.data_ptr() for t in [*weights, *partitions, *moments]]
 
 
-@pytest.mark.parametrize("stage,dtype", CONFIGS, ids=[f"zero{s}-{d}" for s, d in CONFIGS])
+@pytest.mark.parametrize(
+    "stage,dtype,offload",
+    [(s, d, None) for s, d in CONFIGS] + list(OFFLOAD.values()),
+    ids=[f"zero{s}-{d}" for s, d in CONFIGS] + list(OFFLOAD),
+)
 @pytest.mark.either_key  # each configuration with a key or without, alternating (conftest)
-def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(tmp_path, stage, dtype):
+def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(
+    tmp_path, stage, dtype, offload
+):
+    overrides = {"zero_optimization": offload} if offload else {}
     store = ckptstore.open(tmp_path / "store")
-    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
+    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2, **overrides)
     train(engine, DATA[:3])
     store.commit(engine, 3, client_state={"epoch": 7})
     destroy_engine(engine)
 
-    loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2)
+    loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2, **overrides)
     _, client = loaded.load_checkpoint(str(store.materialize(3, tmp_path / "out")))
-    restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2)
+    restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2, **overrides)
     if stage > 0:
         train(restored, DATA[5:])  # an engine that holds optimizer state, as after a rollback
         before = own_memory(restored)

@@ -6,7 +6,8 @@ import torch
 import ckptstore
 from ckptstore.deepspeed.extract import extract
 from ckptstore.errors import BadInputError, ConflictError, CorruptError, NotFoundError
-from tools.engines import batches, build_engine, train
+from tests.model_parallel_worker import differences
+from tools.engines import batches, build_engine, destroy_engine, train
 
 DATA = batches(6)
 
@@ -257,6 +258,57 @@ def test_engine_variants_resume_bit_exactly(tmp_path, stage, dtype, freeze, over
     store.restore(restored, 3)
     assert restored.global_steps == 3
     assert train(restored, DATA[3:]) == uninterrupted
+
+
+# ZeRO-Offload as Trainer users run it to fine-tune on few GPUs: the fp32 masters and Adam moments
+# on the CPU, stepped by DeepSpeedCPUAdam (its cpu_adam op is JIT-built on first use), and at
+# ZeRO 3 the parameters' partitions too.
+CPU = {"device": "cpu", "pin_memory": True}
+
+
+@pytest.mark.parametrize(
+    "stage, dtype, offload",
+    [
+        (2, "bf16", {"offload_optimizer": CPU}),
+        (3, "bf16", {"offload_optimizer": CPU}),
+        (3, "fp32", {"offload_optimizer": CPU, "offload_param": CPU}),
+    ],
+    ids=["offload-optimizer-zero2", "offload-optimizer-zero3", "offload-param-zero3"],
+)
+@pytest.mark.either_key  # each configuration with a key or without, alternating (conftest)
+def test_zero_offload_steps_materialize_deepspeeds_own_files_and_resume_as_its_own_resume(
+    tmp_path, stage, dtype, offload
+):
+    overrides = {"zero_optimization": offload}
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_variant(stage, dtype, 0, **overrides)
+    assert type(engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert (engine.zero_offload_param() is not None) == ("offload_param" in offload)
+    train(engine, DATA[:3])
+    store.commit(engine, step=3)
+    engine.save_checkpoint(str(tmp_path / "deepspeed"))
+    destroy_engine(engine)
+    store.materialize(3, tmp_path / "materialized")
+    own = tmp_path / "deepspeed" / "global_step3"
+    assert differences(tmp_path / "materialized" / "global_step3", own) == []
+
+    # Each resume saved again at once equals DeepSpeed's own save, and trains on as DeepSpeed's
+    # own resume does (not the uninterrupted run: DeepSpeed's own save and load of a step is not
+    # always bit-exact on this CPU).
+    losses, resaved = {}, {}
+    for seed, how in enumerate(("deepspeed", "materialized", "restored"), start=41):
+        resumed = build_variant(stage, dtype, seed, **overrides)
+        if how == "restored":
+            assert store.restore(resumed, 3)[0] == 3
+        else:
+            resumed.load_checkpoint(str(tmp_path / how))
+        assert resumed.global_steps == 3
+        resumed.save_checkpoint(str(tmp_path / f"{how}-resaved"))
+        resaved[how] = differences(tmp_path / f"{how}-resaved" / "global_step3", own)
+        losses[how] = train(resumed, DATA[3:])
+        destroy_engine(resumed)
+    assert resaved == {"deepspeed": [], "materialized": [], "restored": []}
+    assert losses["materialized"] == losses["restored"] == losses["deepspeed"]
 
 
 def _cpu_has_fp16() -> bool:

@@ -21,8 +21,9 @@ torch 2.13 CPU:
   cached afterwards in this checkout's own TORCH_EXTENSIONS_DIR, see ``own_torch_extensions_dir``).
 * The first engine in a process takes ~6 s (loading the JIT-built ops); later ones ~0.03 s
   (ZeRO 3: ~0.45 s). On a checkout with an empty TORCH_EXTENSIONS_DIR
-  the first build JIT-compiles deepspeed_shm_comm (~45 s) and fused_adam (~85 s): cache that
-  directory in CI. ``optimizer={"params": {"torch_adam": True}}`` skips the fused_adam build.
+  the first build JIT-compiles deepspeed_shm_comm (~45 s) and fused_adam (~85 s), and the first
+  ZeRO-Offload engine (DeepSpeedCPUAdam) cpu_adam (~90 s): a fresh clone's CI pays each once.
+  ``optimizer={"params": {"torch_adam": True}}`` skips the fused_adam build.
 * Old engines need not be destroyed for correctness: engines built one after another are fully
   independent (same seed -> bit-identical losses, whatever was built before). But ``del engine``
   frees NOTHING (reference cycles plus two DeepSpeed globals, see ``destroy_engine``): memory grows
