@@ -3,13 +3,18 @@ a person made, never the working directory; and a killed materialize leaves noth
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import ckptstore
 from ckptstore.errors import BadInputError, ConflictError, CorruptError, NotFoundError
+from ckptstore.materialize import outputs
 from ckptstore.materialize.outputs import MARKER
 
 
@@ -93,6 +98,105 @@ def test_a_killed_materialize_leaves_staging_that_the_next_one_removes(store, tm
     assert young.exists() and other.exists()
     store.export(4, tmp_path / "other")
     assert not other.exists() and young.exists()
+
+
+# One command of a user, in a process of its own, held (or killed) once its staging folder is
+# full: ``outputs.mark`` runs just before the folder is renamed into place.
+_HELD = """
+import os, sys, time
+from pathlib import Path
+import ckptstore
+from ckptstore.materialize import outputs
+
+verb, uri, out, ready, go = sys.argv[1:]
+mark = outputs.mark
+
+def held(folder, *args):
+    Path(ready).write_text(str(folder))
+    while not os.path.exists(go):
+        time.sleep(0.05)
+    mark(folder, *args)
+
+outputs.mark = held
+store = ckptstore.open(uri, create=False)
+getattr(store, verb)(out) if verb == "report" else getattr(store, verb)(4, out)
+"""
+
+
+def _held_command(verb: str, store, out, tmp_path) -> tuple[subprocess.Popen, Path]:
+    """``verb`` of step 4 into ``out`` in another process, once its staging folder is written
+    and before it is renamed; the process and the staging folder (``tmp_path / "go"`` lets it
+    finish)."""
+    ready = tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HELD, verb, store.objects.uri, str(out), str(ready), str(tmp_path / "go")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the command never reached its staging folder"
+        time.sleep(0.05)
+    staging = Path(ready.read_text())
+    assert staging.is_dir() and any(staging.iterdir()) and staging.parent == out.parent
+    return proc, staging
+
+
+def _command(verb: str) -> list[str]:
+    if verb == "report":
+        pytest.importorskip("matplotlib")
+        return ["report"]
+    return [verb, "--step", "4"]
+
+
+@pytest.mark.parametrize("verb", ["materialize", "export", "report"])
+def test_a_killed_command_leaves_staging_that_the_same_command_run_again_removes_at_once(
+    store, tmp_path, run, verb
+):
+    command = _command(verb)
+    out = tmp_path / "out"
+    proc, staging = _held_command(verb, store, out, tmp_path)
+    proc.kill()  # kill -9: nothing of it runs again
+    proc.wait(60)
+    assert staging.is_dir() and not out.exists()  # younger than any grace period
+    result = run("--store", store.objects.uri, *command, out)
+    assert result.returncode == 0, result
+    assert (out / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ready", "runs"]  # nothing else beside it
+
+
+def test_the_staging_folder_of_a_command_still_running_is_never_removed(store, tmp_path, run):
+    out = tmp_path / "out"
+    proc, staging = _held_command("materialize", store, out, tmp_path)
+    try:
+        before = tree(staging)
+        result = run("--store", store.objects.uri, "materialize", "--step", "4", out)
+        assert result.returncode == 0, result
+        assert tree(staging) == before  # the other's work, untouched
+    finally:
+        (tmp_path / "go").write_text("")
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output  # it went on and renamed its folder into place
+    assert (out / "latest").read_text() == "global_step4" and not staging.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "out", "ready", "runs"]
+
+
+def test_a_staging_folder_goes_once_no_process_holds_its_lock_and_an_orphan_lock_goes_too(tmp_path):
+    out = tmp_path / "out"
+    staging, orphan = tmp_path / ".out.ckptstore-0000aaaa.tmp", tmp_path / ".out.ckptstore-0000bbbb.lock"
+    (staging / "global_step4").mkdir(parents=True)
+    lock = outputs.lock_of(staging)
+    lock.write_text("")
+    orphan.write_text("")  # killed before its staging folder was made
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / ".out.ckptstore-0000cccc.lock").symlink_to(elsewhere / "x")  # never followed, kept
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the command building it holds it
+        assert outputs.remove_stale(out) == [] and staging.is_dir() and lock.exists()
+    assert outputs.remove_stale(out) == [staging]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.ckptstore-0000cccc.lock", "elsewhere"]
 
 
 def test_commands_other_than_commit_never_create_a_store(tmp_path, run):

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.errors import BadInputError, StorageError
+from ckptstore.errors import BadInputError, CorruptError, StorageError
 from ckptstore.format import pack
 from ckptstore.format.layout import file_name, pack_name
 from ckptstore.objects.local import LocalObjectStore
 from ckptstore.objects.tiered import share_name
 from ckptstore.tier.prune import prune
 from ckptstore.tier.recover import intact
-from ckptstore.tier.replicas import Peers, replicas_name
+from ckptstore.tier.replicas import Peers, parse_names, read_held, replicas_name
 from tests.moto_s3 import S3_ENV
 from tools.engines import free_port, two_node_agents
 from tools.netproxy import Proxy
@@ -233,6 +233,22 @@ def test_a_peers_object_is_taken_only_if_it_hashes_to_its_name(tmp_path):
     share = json.dumps({name: len(data)}).encode()
     assert intact(share_name(4, 1), replicas_name(4, 1), share, objects) is None  # a replica record
     assert "corrupt" in intact(share_name(4, 1), replicas_name(4, 1), b'{"/etc/passwd": 1}', objects)
+
+
+@pytest.mark.parametrize(
+    "nested", [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000]
+)
+def test_a_deeply_nested_share_list_from_a_peer_is_corrupt_not_a_recursion_error(tmp_path, nested):
+    # Recovery asks the next holder when a peer's replica record is corrupt; a RecursionError
+    # would end this rank's restore and leave the others waiting until the peer timeout.
+    objects = ckptstore.open(tmp_path / "store").objects
+    assert "corrupt" in intact(share_name(4, 1), replicas_name(4, 1), nested, objects)
+    with pytest.raises(CorruptError, match="rank 1 sent a list of objects nested too deeply"):
+        parse_names(nested, "rank 1")  # what replicate makes of a peer's list of names
+    local = LocalObjectStore(tmp_path / "tier", create=True)
+    local.put_if_absent(replicas_name(4, 1), nested)  # a record planted in a tier: prune reads it
+    with pytest.raises(CorruptError, match="nested too deeply"):
+        read_held(local, 4, 1)
 
 
 def test_a_peers_replicas_of_a_step_this_node_has_no_manifest_of_follow_local_keep(tmp_path):

@@ -5,8 +5,10 @@ charts are real PNGs an ``index.html`` shows with the numbers behind them."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+import torch
 
 import ckptstore
 from ckptstore.errors import BadInputError, NotFoundError
@@ -111,3 +113,75 @@ def test_a_range_with_no_step_is_not_found(store, run):
         store.report(steps="50..")
     result = run("--store", store.objects.uri, "report", "--json", "--steps", "50..")
     assert result.returncode == 3 and result.stderr.startswith("error: no committed step")
+
+
+@pytest.mark.parametrize("steps", ["-5..", "..-1", "-3", "-9..-2"])
+def test_a_negative_step_is_bad_input_as_in_every_other_command(store, run, steps):
+    with pytest.raises(BadInputError, match="--steps"):
+        store.report(steps=steps)
+    result = run("--store", store.objects.uri, "report", "--json", "--steps", steps)
+    assert result.returncode == 2 and result.stderr.startswith("error: --steps") and not result.stdout
+
+
+class _Named(torch.nn.Module):
+    """A model under a module of the given name: every layer's name starts with it."""
+
+    def __init__(self, name: str, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner_name = name
+        self.add_module(name, inner)
+
+    def forward(self, *args, **kwargs):
+        return getattr(self, self.inner_name)(*args, **kwargs)
+
+
+def test_a_layer_name_matplotlib_would_read_as_mathtext_is_drawn_as_written(tmp_path, run):
+    # PyTorch takes any module name without a dot; `$\frac{$` is a malformed TeX formula.
+    import deepspeed
+
+    from tools.engines import _param_groups, build_model, ds_config
+
+    name = "$\\frac{$"
+    module = _Named(name, build_model("llama", num_layers=1))
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=_param_groups(module, 0.01), config=ds_config(1, "bf16")
+    )
+    store = ckptstore.open(tmp_path / "store")
+    for step, batch in zip((1, 2), batches(2), strict=True):
+        train(engine, [batch])
+        store.commit(engine, step=step)
+    result = run("--store", store.objects.uri, "report", tmp_path / "report")
+    assert result.returncode == 0, result
+    layers = json.loads((tmp_path / "report" / "figures.json").read_text())["layers"]
+    assert layers and all(layer.startswith(f"{name}.") for layer in layers)
+    assert imread(tmp_path / "report" / "updates.png").shape[0] > 200
+
+
+def _copy(store, tmp_path):
+    """A copy of ``store``'s folder without its catalog: opened, it reads every manifest again
+    (as a fresh machine's index of an S3 store does)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(store.objects.root, copy, ignore=shutil.ignore_patterns("catalog.db*"))
+    return copy
+
+
+def test_a_step_whose_manifest_cannot_be_read_is_corrupt_naming_it_and_nothing_is_written(
+    store, tmp_path, run
+):
+    copy = _copy(store, tmp_path)
+    (copy / layout.manifest_name(5, 0)).write_bytes(b"not a manifest")
+    result = run("--store", copy, "report", "--steps", "3..9", tmp_path / "report")
+    assert result.returncode == 4 and "step 5" in result.stderr and "verify" in result.stderr, result
+    assert not (tmp_path / "report").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+    assert run("--store", copy, "report", "--json", "--steps", "3..9").returncode == 4
+    # the steps around it still report
+    assert run("--store", copy, "report", "--json", "--steps", "6..9").returncode == 0
+
+
+def test_report_reads_no_pack_and_says_verify_is_the_check(store, tmp_path, run):
+    copy = _copy(store, tmp_path)
+    pack_file = next(p for p in (copy / "packs").rglob("*") if p.is_file())
+    pack_file.unlink()
+    result = run("--store", copy, "report", "--json")
+    assert result.returncode == 0 and json.loads(result.stdout) == store.report().as_json()
+    assert "verify" in " ".join(run("report", "--help").stdout.split())

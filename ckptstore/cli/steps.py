@@ -120,7 +120,9 @@ def report(ctx: click.Context, steps: str | None, as_json: bool, force: bool, ou
     A heatmap of each layer's update at each step (x: the layers that step saved), logical
     vs stored bytes per step and cumulative, the dedup ratio, and the seconds each commit
     and (through a local tier) each upload took; figures.json holds the numbers. The charts need matplotlib (pip install 'ckptstore[report]'); --json prints the
-    figures without it.
+    figures without it. A step of the range whose manifest cannot be read is exit 4 naming it.
+    The figures are the catalog's: report reads no pack, so a missing or damaged one shows
+    only in `ckptstore verify`.
 
     Example: ckptstore --store runs/store report --steps 100..900 runs/report
     """

@@ -3,18 +3,25 @@
 Both build the folder in a staging directory beside OUT (``.{OUT name}.ckptstore-<hex>.tmp``)
 and rename it into place. ``force`` replaces only a folder one of them wrote, which they mark
 with ``MARKER``: never a folder a person made, the store, a folder holding the store or inside
-it, or the working directory. A command killed half-way leaves its staging directory (or the
-``.ckptstore-old-*`` folder a replacement moves aside); the next materialize or export into the
-same parent removes those of its own OUT name older than the gc grace period
-(``CKPTSTORE_GC_GRACE``), so a concurrent one's is never touched.
+it, or the working directory. While it builds, the command holds an ``flock`` on a lock file
+beside the staging directory (``.{OUT name}.ckptstore-<hex>.lock``), which the kernel releases
+however the process ends. A command killed half-way leaves its staging directory and lock file
+(or the ``.ckptstore-old-*`` folder a replacement moves aside); the next materialize, export or
+report into the same OUT removes a staging directory whose lock no process holds at once, and
+one without a lock file, or a set-aside folder, once older than the gc grace period
+(``CKPTSTORE_GC_GRACE``); a concurrent one's, whose lock is held, is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import json
 import os
 import shutil
+import socket
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -97,24 +104,72 @@ def writing(out: str | os.PathLike | None, verb: str) -> Iterator[None]:
 
 
 def staging_dir(out: Path) -> Path:
-    """A fresh staging directory's path beside ``out``; stale ones of the same name go first."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(out)
+    """A fresh staging directory's path beside ``out`` (``.{out name}.ckptstore-<hex>.tmp``)."""
     return out.parent / f".{out.name}.ckptstore-{uuid.uuid4().hex[:8]}.tmp"
+
+
+def lock_of(staging: Path) -> Path:
+    """The lock file beside ``staging``: held by the process building it for as long as it runs."""
+    return staging.with_suffix(".lock")
 
 
 @contextlib.contextmanager
 def building(out: Path, verb: str, step: int) -> Iterator[Path]:
-    """A staging directory's path for ``out`` (not yet created): when the block ends without
-    an error it is marked (``mark``) and renamed into place (``swap_into_place``); it is
-    removed whatever happens, so ``out`` only ever appears complete."""
-    staging = staging_dir(out)
+    """A staging directory's path for ``out`` (not yet created), its lock held (``_owning``):
+    when the block ends without an error it is marked (``mark``) and renamed into place
+    (``swap_into_place``); it is removed whatever happens, so ``out`` only ever appears
+    complete. Leftovers of killed commands into ``out`` go first (``remove_stale``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
+    with _owning(out) as staging:
+        try:
+            yield staging
+            mark(staging, verb, step)
+            swap_into_place(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _owning(out: Path) -> Iterator[Path]:
+    """A fresh staging path for ``out`` whose lock file (``lock_of``) this process holds, with
+    ``flock``, until the block ends; the lock file then goes. The kernel releases the lock when
+    the process dies however it dies, so a staging folder whose lock can be taken is a killed
+    command's (``remove_stale``). Where the file system takes no lock, no lock file is left and
+    the staging folder is one the age rule keeps."""
+    staging, fd = _take(out)
     try:
+        if fd is not None:
+            os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())  # for a person who looks
         yield staging
-        mark(staging, verb, step)
-        swap_into_place(staging, out)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if fd is not None:
+            lock_of(staging).unlink(missing_ok=True)  # still held: no one takes it for a killed one's
+            os.close(fd)
+
+
+def _take(out: Path) -> tuple[Path, int | None]:
+    """A fresh staging path for ``out`` and the descriptor of its lock file, locked; None for
+    the descriptor where the file system takes no lock (and no lock file is left)."""
+    while True:
+        staging = staging_dir(out)
+        lock = lock_of(staging)
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Between the open and the flock another's remove_stale may have taken the new file
+            # for an orphan and unlinked it: the lock counts only if still at that name.
+            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
+                return staging, fd
+        except BlockingIOError:  # another's remove_stale holds it for that reason: it goes
+            pass
+        except FileNotFoundError:  # it went
+            pass
+        except OSError:  # no locks here (some network file systems): no lock file, the age rule
+            os.close(fd)
+            lock.unlink(missing_ok=True)
+            return staging, None
+        os.close(fd)
 
 
 def mark(folder: Path, verb: str, step: int) -> None:
@@ -123,19 +178,55 @@ def mark(folder: Path, verb: str, step: int) -> None:
 
 
 def remove_stale(out: Path, now: float | None = None) -> list[Path]:
-    """Remove staging and set-aside folders of ``out`` older than the gc grace period; returns them."""
+    """Remove what killed commands into ``out`` left beside it; returns the folders removed.
+
+    A staging folder with a lock file no process holds (``_owning``) goes at once, with the
+    lock; one whose lock is held is a command running now, and stays. A staging folder
+    without a lock file (an older ckptstore's, or one on a file system without locks) and a
+    set-aside ``.ckptstore-old-*`` folder (which may hold the only copy of the output a
+    killed replacement moved aside) go once older than the gc grace period."""
     cutoff = (time.time() if now is None else now) - knobs.gc_grace_seconds()
+    name = glob.escape(out.name)
     removed = []
-    for pattern in (f".{out.name}.ckptstore-*.tmp", f".{out.name}.ckptstore-old-*"):
+    for lock in out.parent.glob(f".{name}.ckptstore-*.lock"):
+        staging = lock.with_suffix(".tmp")
+        if _remove_if_unheld(lock, staging):
+            removed.append(staging)
+    for pattern in (f".{name}.ckptstore-*.tmp", f".{name}.ckptstore-old-*"):
         for leftover in out.parent.glob(pattern):
             try:
-                if leftover.is_symlink() or leftover.lstat().st_mtime > cutoff:
+                locked = leftover.suffix == ".tmp" and os.path.lexists(lock_of(leftover))
+                if locked or leftover.is_symlink() or leftover.lstat().st_mtime > cutoff:
                     continue
             except FileNotFoundError:
                 continue
             shutil.rmtree(leftover, ignore_errors=True)
             removed.append(leftover)
     return removed
+
+
+def _remove_if_unheld(lock: Path, staging: Path) -> bool:
+    """Remove ``staging`` (if a real folder) and its ``lock`` if no process holds the lock;
+    whether a staging folder went. Held, or not a plain file, or not lockable: both stay."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(lock)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (BlockingIOError): a command writing now; not a file; no locks here
+        os.close(fd)
+        return False
+    try:
+        folder = os.path.lexists(staging) and staging.is_dir() and not staging.is_symlink()
+        if folder:
+            shutil.rmtree(staging, ignore_errors=True)
+        lock.unlink(missing_ok=True)  # before its lock is released: no owner can come back to it
+        return folder
+    finally:
+        os.close(fd)
 
 
 def swap_into_place(staging: Path, out: Path) -> None:

@@ -75,7 +75,9 @@ def _updates(chart, figures: Figures) -> None:
     # Red shows on every colour of the map and on the blank of a step with no measure.
     axes.scatter(columns, rows, marker="x", color="#e8322a", s=22, linewidths=1.2)
     axes.set_xticks(range(len(figures.steps)), [str(step) for step in figures.steps], rotation=90)
-    axes.set_yticks(range(len(figures.layers)), figures.layers, fontsize=7)
+    # Layer names come from the store, as written: `$...$` in one is no formula to typeset
+    # (matplotlib's mathtext raises ValueError on `$\frac{$`).
+    axes.set_yticks(range(len(figures.layers)), figures.layers, fontsize=7, parse_math=False)
     axes.set_xlabel("step")
     axes.set_title(CHARTS["updates.png"])
 

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 from itertools import accumulate
 from typing import Any
 
-from ..errors import BadInputError, NotFoundError
+from ..arguments import MAX_STEP
+from ..errors import BadInputError, CorruptError, NotFoundError, clip
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class Figures:
 
 
 def parse_range(text: str | None) -> tuple[int | None, int | None]:
-    """``"A..B"``, ``"A.."``, ``"..B"`` or ``"A"`` as inclusive bounds (None: open).
-    BadInputError for anything else."""
+    """``"A..B"``, ``"A.."``, ``"..B"`` or ``"A"`` as inclusive bounds (None: open), each a
+    step (0 to ``MAX_STEP``). BadInputError for anything else."""
     if text is None or text == "":
         return None, None
     first, dots, last = text.partition("..")
@@ -59,6 +60,9 @@ def parse_range(text: str | None) -> tuple[int | None, int | None]:
         high = (int(last) if last else None) if dots else low
     except ValueError:
         raise BadInputError(f"--steps takes A..B, A.., ..B or one step, not {text!r}") from None
+    if any(bound is not None and not 0 <= bound <= MAX_STEP for bound in (low, high)):
+        # As every other command: a step is in 0..2^63-1 (``check_step``), never counted from the end.
+        raise BadInputError(f"--steps {text}: a step is an integer from 0 to {MAX_STEP}")
     if low is not None and high is not None and low > high:
         raise BadInputError(f"--steps {text}: the first step is after the last")
     return low, high
@@ -66,10 +70,24 @@ def parse_range(text: str | None) -> tuple[int | None, int | None]:
 
 def gather(store: Any, low: int | None = None, high: int | None = None) -> Figures:
     """The figures of ``store``'s committed steps from ``low`` to ``high`` (inclusive, None:
-    open), read from its catalog. NotFoundError when no committed step lies in the range."""
+    open), read from its catalog (no pack is read: ``verify`` checks those). CorruptError
+    naming a committed step of the range whose manifest cannot be read (a report without it
+    would pass over it in silence); NotFoundError when no committed step lies in the range."""
     rows = [
         row for row in store.log() if (low is None or row.step >= low) and (high is None or row.step <= high)
     ]
+    damaged = {
+        step: why
+        for step, why in store.unreadable_steps().items()
+        if (low is None or step >= low) and (high is None or step <= high)
+    }
+    if damaged:
+        step, why = min(damaged.items())
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        raise CorruptError(
+            f"step {step} is committed but cannot be read{more} (`ckptstore verify` checks the store; "
+            f"--steps around it reports the others): manifest {clip(why)}"
+        )
     if not rows:
         where = (
             ""

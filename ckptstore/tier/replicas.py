@@ -204,11 +204,15 @@ def replicated_steps(local: ObjectStore, shares: list[tuple[int, int]]) -> set[i
 
 
 def parse_names(data: bytes, sender: str) -> dict[str, int] | list[str]:
-    """A peer's list of object names (or names with sizes), each a pack, blob or file name."""
+    """A peer's list of object names (or names with sizes), each a pack, blob or file name.
+    CorruptError for anything else (not JSON, nested past the decoder's recursion limit)."""
     try:
         names = json.loads(data)
     except ValueError:
         raise CorruptError(f"{sender} sent a list of objects that is not JSON") from None
+    except RecursionError:
+        # json's decoder recurses per level: ``[[[...]]]`` 100,000 deep is a few hundred KB.
+        raise CorruptError(f"{sender} sent a list of objects nested too deeply to be one") from None
     listed = list(names) if isinstance(names, dict | list) else None
     if listed is None or not all(isinstance(name, str) and _is_object(name) for name in listed):
         raise CorruptError(f"{sender} sent names that are no pack, blob or file of a store")
