@@ -15,7 +15,18 @@ PACKAGE = Path(ckptstore.__file__).parent
 
 # Layers from the bottom up: a module may import its own layer and those below, never above.
 LAYERS = [
-    {"errors", "settings", "knobs", "progress", "layers", "hashing", "keys", "private", "forked", "pathnames"},
+    {
+        "errors",
+        "settings",
+        "knobs",
+        "progress",
+        "layers",
+        "hashing",
+        "keys",
+        "private",
+        "forked",
+        "pathnames",
+    },
     {"model", "objects", "tensorsplit"},
     {"format"},
     {"catalog", "deepspeed", "strategies", "auxfiles", "arguments"},
