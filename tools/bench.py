@@ -130,22 +130,23 @@ class PeakRss:
             self.peaks[phase] = max(self.peaks.get(phase, 0), peak[0] - base)
 
 
-def relaunch(ranks: int) -> int:
+def relaunch(ranks: int, argv: list[str]) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), __file__, *sys.argv[1:]]  # fmt: skip
+               str(free_port()), __file__, *argv]  # fmt: skip
     return subprocess.run(command).returncode
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--ranks", type=int, default=1, help="data-parallel ranks (relaunches under torchrun)"
     )
     add_bench_model_options(parser, hidden=768, layers=8, vocab=16000, reps=3)
     parser.add_argument("--workdir", help="scratch directory (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.ranks > 1 and "LOCAL_RANK" not in os.environ:
-        return relaunch(args.ranks)
+        return relaunch(args.ranks, sys.argv[1:] if argv is None else argv)
     setup_single_process_env()
     import logging
 

@@ -125,7 +125,8 @@ def contenders(tensor: torch.Tensor, codecs: dict, level: int) -> dict[str, tupl
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=768, layers=8, vocab=16000, reps=9)
     parser.add_argument("--steps", type=int, default=3, help="training steps before the tensors are taken")
@@ -135,7 +136,7 @@ def main() -> int:
     )
     parser.add_argument("--cpu", type=int, help="the core to run on (default: the first allowed)")
     parser.add_argument("--tensors", type=Path, help="keep the bench tensors in this file and reuse them")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         import blosc2
     except ImportError:

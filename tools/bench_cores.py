@@ -166,7 +166,8 @@ def run_children(script: str, argv: list[str], cores: list[list[int]], code: Pat
     return times
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=1024, layers=11, vocab=32000, reps=3)
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
@@ -178,7 +179,7 @@ def main() -> int:
         help="files: export, materialize and their baselines; engine: restore and commit and theirs",
     )  # fmt: skip
     parser.add_argument("--workdir", help="scratch directory, kept and reused (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     repo = Path(__file__).resolve().parents[1]
     codes = [Path(c).resolve() for c in args.code.split(",")] if args.code else [repo]
     cores = sorted(os.sched_getaffinity(0))

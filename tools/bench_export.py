@@ -1,6 +1,7 @@
 """Benchmark ``ckptstore export`` against DeepSpeed's zero_to_fp32 conversion to safetensors.
 
     python tools/bench_export.py [--hidden 768 --layers 8 --vocab 16000 --reps 5]
+                                 [--dtypes float32,bfloat16]
 
 Builds the bench model (a Llama of about 80M parameters, bf16, ZeRO-2, one rank, CPU), commits
 it into a store and saves it with ``save_checkpoint``, then times, in fresh processes taking
@@ -8,8 +9,8 @@ turns, what a user runs to get a Hugging Face weights folder:
 - DeepSpeed: ``convert_zero_checkpoint_to_state_dict(dir, out, dtype=..., safe_serialization=True)``
   (what ``zero_to_fp32.py --safe_serialization`` does) from DeepSpeed's own directory;
 - ckptstore: ``store.export(step, out, dtype=...)`` from the store;
-each for float32 and bfloat16 output. Reported: median seconds, CPU seconds (every thread's and
-forked worker's, user and system) and peak extra resident memory (above the process's level
+each for float32 and bfloat16 output (``--dtypes``). Reported: median seconds, CPU seconds
+(every thread's and forked worker's, user and system) and peak extra resident memory (above the process's level
 once its imports are done, plus each forked worker's own pages, its USS, sampled every 5 ms), and our ratios. Absolute times on a shared box are noise; the
 ratios, measured side by side, are the result (and CPU seconds are the steadier measure where
 other jobs share the cores).
@@ -99,11 +100,14 @@ def measure(tool: str, source: Path, out: Path, dtype: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=768, layers=8, vocab=16000, reps=5)
     parser.add_argument("--workdir", help="scratch directory (default: a temp dir)")
-    args = parser.parse_args()
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="output dtypes, comma-separated")
+    args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
     setup_single_process_env()
     import logging
 
@@ -123,7 +127,7 @@ def main() -> int:
 
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.reps):
-        for dtype in ("float32", "bfloat16"):
+        for dtype in dtypes:
             for tool, source in (("deepspeed", work / "deepspeed"), ("ckptstore", work / "store")):
                 results.setdefault((tool, dtype), []).append(measure(tool, source, work / "out", dtype))
 
@@ -132,7 +136,7 @@ def main() -> int:
         "| time ratio | CPU ratio | memory ratio |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         ds_time = statistics.median(r["seconds"] for r in results[("deepspeed", dtype)])
         ds_peak = statistics.median(r["peak"] for r in results[("deepspeed", dtype)])
         ds_cpu = statistics.median(r["cpu"] for r in results[("deepspeed", dtype)])

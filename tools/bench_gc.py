@@ -77,12 +77,13 @@ def build_synthetic_store(path: Path, steps: int = 10_000, layers: int = 40):
     return store
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--keep-last", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         store = build_synthetic_store(Path(tmp) / "store", args.steps, args.layers)

@@ -56,7 +56,8 @@ def on_rank_zero(fn, *args, **kwargs) -> None:
         fn(*args, **kwargs)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--into", type=layout, default=(1, 1, 4), help="the layout to reshard into (default 1x1x4)"
@@ -68,10 +69,10 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-                   "--master_port", str(free_port()), __file__, *sys.argv[1:]]  # fmt: skip
+                   "--master_port", str(free_port()), __file__, *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
         return subprocess.run(command).returncode
     import deepspeed
     import torch.distributed as dist

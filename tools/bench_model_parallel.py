@@ -85,7 +85,8 @@ def print_commit_rows(ds: float, commit: float, ds_bytes: int, store_bytes: int)
           f"| | {store_bytes / ds_bytes:.3f}x |")  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split", choices=sorted(SPLITS), default="pipeline")
     parser.add_argument("--hidden", type=int, default=None, help="default: per split")
@@ -93,10 +94,10 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=None, help="default: per split")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), __file__, *sys.argv[1:]]  # fmt: skip
+                   "--master_port", str(free_port()), __file__, *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
         return subprocess.run(command).returncode
     import deepspeed
     import torch.distributed as dist

@@ -1,10 +1,11 @@
 """Benchmark peer replicas: recovering a lost node from its peer against from S3 over a slow link.
 
     python tools/bench_replicas.py [--hidden 256 --layers 4 --vocab 4000 --steps 4] [--rate 8MB]
+                                   [--endpoint URL]
 
 Two torchrun agents on this machine stand for two nodes (one rank each, ZeRO-1 bf16 Llama,
-each node its own local tier in front of one S3 store: moto on 127.0.0.1 behind loopback
-proxies, ``tools/netproxy.py``). It runs:
+each node its own local tier in front of one S3 store: moto on 127.0.0.1, or ``--endpoint``,
+behind loopback proxies, ``tools/netproxy.py``). It runs:
 
 1. training without replicas: ``--steps`` steps, a non-blocking commit every ``--every``;
 2. the same with ``replicas=1``, then every step uploaded; it times each training step
@@ -40,7 +41,8 @@ from tools.engines import add_bench_model_options, batches, build_engine, train,
 from tools.netproxy import Proxy, parse_rate  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=256, layers=4, vocab=4000, reps=1)
     parser.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
@@ -50,12 +52,13 @@ def main() -> int:
     parser.add_argument(
         "--rate", default="8MB", help="the slow link's bytes per second each way (default 8MB)"
     )
-    args = parser.parse_args()
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    args = parser.parse_args(argv)
     env = {
         **os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
         "AWS_DEFAULT_REGION": "us-east-1", "CKPTSTORE_PROGRESS": "0", "DS_ACCELERATOR": "cpu",
     }  # fmt: skip
-    server, endpoint = start_moto()
+    server, endpoint = (None, args.endpoint) if args.endpoint else start_moto()
     work = Path(tempfile.mkdtemp(prefix="ckptstore-bench-replicas-"))
     try:
         with (
@@ -97,8 +100,9 @@ def main() -> int:
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        server.terminate()
-        server.wait()
+        if server is not None:
+            server.terminate()
+            server.wait()
 
     med = statistics.median
     # The first commit's steps are left out: they are the engine's and the store's warm-up.

@@ -78,11 +78,12 @@ def timed(fn, *args, **kwargs) -> float:
     return time.perf_counter() - start
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=512, layers=4, vocab=8000, reps=2)
     parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")

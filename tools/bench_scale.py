@@ -1,7 +1,7 @@
 """Simulate the metadata and object traffic of a big job's checkpoints, without training.
 
     python tools/bench_scale.py [--configs 8b-64-zero3,70b-512-zero3,70b-512-zero2] [--s3-steps 1000]
-                                [--format 2]
+                                [--format 2] [--endpoint URL]
 
 For each configuration (a Llama-3 shape, a data-parallel world size, a ZeRO stage; fp32 master
 and two Adam moments per parameter, module weights not stored apart, as at ZeRO 0-3 in bf16),
@@ -16,8 +16,8 @@ the writer does (``commit.packs.cut_points``), sized with the real pack index en
 ``--format 1`` records one blob per piece, as ckptstore did before packs.
 
 For the first configuration, ``--s3-steps`` full steps are also written to a moto S3 server in
-its own process (manifests and blobs of a few bytes each; each step re-commits the same
-tensors, so blobs dedup and only metadata grows), then timed: ``open`` + ``steps()`` on a
+its own process, or to the S3 endpoint ``--endpoint`` (manifests and blobs of a few bytes each;
+each step re-commits the same tensors, so blobs dedup and only metadata grows), then timed: ``open`` + ``steps()`` on a
 machine with an empty cache, and ``gc --keep-last 5`` there.
 
 Prints one JSON object per configuration: ``config``, ``objects_per_step``,
@@ -35,6 +35,7 @@ import os
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,7 @@ from ckptstore.format import layerpacks, manifest, pack  # noqa: E402
 from ckptstore.layers import layer_of, ordered_layers  # noqa: E402
 from ckptstore.materialize.directory import step_reader  # noqa: E402
 from ckptstore.model import BlobRow, PackRef, StepRecord, TensorRow  # noqa: E402
+from ckptstore.objects.local import LocalObjectStore  # noqa: E402
 
 # Llama-3 shapes (grouped-query attention: 8 key/value heads of 128).
 MODELS = {
@@ -202,15 +204,19 @@ def measure(config: str, work: Path, fmt: int) -> dict:
     catalog.record_step(record)
     catalog.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     result["catalog_bytes_per_step"] = catalog_size(path) - before
+    # The reader asks its object store whether reads are local; an empty local store is what a
+    # materialize from a local store plans against (no readahead), and planning reads no object.
+    objects = LocalObjectStore(work / f"{config}-objects")
     started = time.perf_counter()
-    step_reader(None, catalog, 1, json.loads(record.description))
+    step_reader(objects, catalog, 1, json.loads(record.description))
     result["plan_seconds"] = round(time.perf_counter() - started, 3)
     catalog.close()
     return result
 
 
-def measure_s3(config: str, steps: int, work: Path, fmt: int) -> dict:
-    """Fresh-cache open and gc of ``steps`` full steps of ``config`` in a moto S3 store."""
+def measure_s3(config: str, steps: int, work: Path, fmt: int, endpoint: str | None = None) -> dict:
+    """Fresh-cache open and gc of ``steps`` full steps of ``config`` in a moto S3 store (one started
+    here, or at ``endpoint``)."""
     import ckptstore
     from ckptstore.format.layout import blob_name, manifest_name, pack_name
     from tools.bench_s3 import start_moto
@@ -219,15 +225,16 @@ def measure_s3(config: str, steps: int, work: Path, fmt: int) -> dict:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     os.environ["CKPTSTORE_PROGRESS"] = "0"
-    server, endpoint = start_moto()
+    server, endpoint = (None, endpoint) if endpoint else start_moto()
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     try:
         model, ranks, stage = config.split("-")
         params = llama_params(MODELS[model])
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="scale")
-        uri = "s3://scale/run"
+        bucket = f"scale-{uuid.uuid4().hex[:12]}"  # an endpoint given may hold others' buckets
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        uri = f"s3://{bucket}/run"
         os.environ["CKPTSTORE_CACHE"] = str(work / "cache-writer")
         objects = ckptstore.open(uri).objects
         first = step_record(params, int(ranks), int(stage.removeprefix("zero")), step=0, salt=0, fmt=fmt)
@@ -256,22 +263,25 @@ def measure_s3(config: str, steps: int, work: Path, fmt: int) -> dict:
             store.gc(keep_last=5, grace=0)
         gc_seconds = time.perf_counter() - started
     finally:
-        server.terminate()
+        if server is not None:
+            server.terminate()
     return {"s3_steps": steps, "fresh_open_seconds": round(fresh_open, 2), "gc_seconds": round(gc_seconds, 2)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default="8b-64-zero3,70b-512-zero3,70b-512-zero2")
     parser.add_argument("--s3-steps", type=int, default=1000, help="steps for the S3 figures (0: skip them)")
     parser.add_argument("--format", type=int, choices=(1, 2), default=2, help="store format to simulate")
-    args = parser.parse_args()
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    args = parser.parse_args(argv)
     configs = args.configs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for i, config in enumerate(configs):
             result = measure(config, Path(tmp), args.format)
             if i == 0 and args.s3_steps:
-                result.update(measure_s3(config, args.s3_steps, Path(tmp), args.format))
+                result.update(measure_s3(config, args.s3_steps, Path(tmp), args.format, args.endpoint))
             print(json.dumps(result), flush=True)
     return 0
 

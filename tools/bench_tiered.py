@@ -1,10 +1,12 @@
 """Benchmark a local tier in front of S3 on a slow link, against a local store and a direct S3 commit.
 
     python tools/bench_tiered.py [--hidden 256 --layers 4 --vocab 4000 --reps 2] [--rate 8MB]
+                                 [--endpoint URL]
 
-A moto server runs in its own process on 127.0.0.1, reached through a loopback proxy
-(``tools/netproxy.py``) that throttles the link to ``--rate`` bytes per second each way. With
-the bench model (Llama, bf16, ZeRO-2, one rank, CPU) trained a batch before each commit, it times:
+A moto server runs in its own process on 127.0.0.1 (or ``--endpoint`` names an S3 endpoint),
+reached through a loopback proxy (``tools/netproxy.py``) that throttles the link to ``--rate``
+bytes per second each way. With the bench model (Llama, bf16, ZeRO-2, one rank, CPU) trained a
+batch before each commit, it times:
 
 * a blocking commit into a local store (the floor: the same work, no network);
 * a blocking commit with a local tier in front of the S3 store: it returns once the step is on
@@ -44,16 +46,18 @@ from tools.engines import (  # noqa: E402
 from tools.netproxy import Proxy, parse_rate  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=256, layers=4, vocab=4000, reps=2)
     parser.add_argument("--rate", default="8MB", help="the link's bytes per second each way (default 8MB)")
-    args = parser.parse_args()
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    args = parser.parse_args(argv)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     os.environ.setdefault("CKPTSTORE_PROGRESS", "0")
-    server, endpoint = start_moto()
+    server, endpoint = (None, args.endpoint) if args.endpoint else start_moto()
     work = Path(tempfile.mkdtemp(prefix="ckptstore-bench-tiered-"))
     try:
         with Proxy.for_endpoint(endpoint, rate=parse_rate(args.rate)) as link:
@@ -61,8 +65,9 @@ def main() -> int:
             return run(args, link, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        server.terminate()
-        server.wait()
+        if server is not None:
+            server.terminate()
+            server.wait()
 
 
 def run(args, link: Proxy, work: Path) -> int:

@@ -77,11 +77,12 @@ def run(work: Path, args, callback) -> dict:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=768, layers=8, vocab=16000, reps=1)
     parser.add_argument("--saves", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     setup_single_process_env()
     import ckptstore
     from ckptstore.integrations.transformers import CkptStoreCallback

@@ -1,6 +1,7 @@
 """Layer-wise tailoring, evaluated: bytes, commit time and training quality per selection strategy.
 
     python tools/tailor_eval.py [--steps 240] [--every 20] [--fail-at 175] [--workdir DIR] [--json FILE]
+                                [--layers 8] [--eval-batches 16]
 
 Trains a small Llama (8 blocks, hidden 128, byte-level vocabulary; DeepSpeed ZeRO-2, bf16, CPU)
 on the source text of Python's own standard library, committing every ``--every`` steps into
@@ -60,19 +61,19 @@ def train_step(engine, ids) -> float:
     return float(loss.detach().float())
 
 
-def evaluate(engine, tokens) -> float:
+def evaluate(engine, tokens, batches: int = EVAL_BATCHES) -> float:
     import torch
 
     engine.eval()
     with torch.no_grad():
-        losses = [float(engine(input_ids=b, labels=b).loss.float()) for b in (batch(tokens, i, 7) for i in range(EVAL_BATCHES))]  # fmt: skip
+        losses = [float(engine(input_ids=b, labels=b).loss.float()) for b in (batch(tokens, i, 7) for i in range(batches))]  # fmt: skip
     engine.train()
     return statistics.fmean(losses)
 
 
-def new_engine(seed: int):
+def new_engine(seed: int, model: dict = MODEL):
     return build_engine("llama", zero_stage=2, dtype="bf16", seed=seed, lr=3e-3,
-                        train_micro_batch_size_per_gpu=BATCH, **MODEL)  # fmt: skip
+                        train_micro_batch_size_per_gpu=BATCH, **model)  # fmt: skip
 
 
 def strategies() -> dict:
@@ -93,13 +94,14 @@ def run(args) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptstore-tailor-"))
     work.mkdir(parents=True, exist_ok=True)
     config = work / "config.json"
-    config.write_text(json.dumps({"model": "llama", **MODEL, "seq": SEQ}))
+    model = {**MODEL, "num_layers": args.layers}
+    config.write_text(json.dumps({"model": "llama", **model, "seq": SEQ}))
     chosen = strategies()
     stores = {name: ckptstore.open(work / name) for name in chosen}
     commit_seconds = dict.fromkeys(chosen, 0.0)
     saved_layers = {name: [] for name in chosen}
 
-    engine = new_engine(seed=0)
+    engine = new_engine(seed=0, model=model)
     reference = []
     for step in range(1, args.steps + 1):
         reference.append(train_step(engine, batch(train_tokens, step, 1)))
@@ -112,7 +114,7 @@ def run(args) -> dict:
                 commit_seconds[name] += time.perf_counter() - started
                 saved_layers[name].append(len(report.layers_saved))
     results = {"uninterrupted": {"final_loss": statistics.fmean(reference[-10:]),
-                                 "eval_loss": evaluate(engine, eval_tokens)}}  # fmt: skip
+                                 "eval_loss": evaluate(engine, eval_tokens, args.eval_batches)}}  # fmt: skip
     destroy_engine(engine)
 
     for name in chosen:
@@ -120,7 +122,7 @@ def run(args) -> dict:
         resume = max(s for s in store.steps() if s <= args.fail_at)
         out = store.materialize(resume, work / f"{name}-checkpoint")
         sources = store.sources(resume)
-        engine = new_engine(seed=1)
+        engine = new_engine(seed=1, model=model)
         engine.load_checkpoint(str(out))
         assert engine.global_steps == resume, (name, engine.global_steps)
         losses = reference[:resume] + [
@@ -135,7 +137,7 @@ def run(args) -> dict:
             "resumed_from": resume,
             "oldest_layer": min(sources.values()),
             "final_loss": statistics.fmean(losses[-10:]),
-            "eval_loss": evaluate(engine, eval_tokens),
+            "eval_loss": evaluate(engine, eval_tokens, args.eval_batches),
         }
         destroy_engine(engine)
         store.close()
@@ -165,14 +167,19 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run the evaluation with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=240, help="training steps in all")
     parser.add_argument("--every", type=int, default=20, help="commit every N steps")
     parser.add_argument("--fail-at", type=int, default=175, help="the step at which the run fails")
     parser.add_argument("--workdir", help="where the stores go (default: a temporary directory)")
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    parser.add_argument("--layers", type=int, default=MODEL["num_layers"], help="decoder blocks of the model")
+    parser.add_argument(
+        "--eval-batches", type=int, default=EVAL_BATCHES, help="held-out batches the eval loss averages"
+    )
+    args = parser.parse_args(argv)
     if not args.every <= args.fail_at < args.steps:
         parser.error("need --every <= --fail-at < --steps")
     setup_single_process_env()
