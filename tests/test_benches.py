@@ -76,7 +76,19 @@ def test_bench_scale_simulates_format_1_too(capsys, restored_environ):
 # The one-rank benches that build engines, in one child process: (name, argv, lines it prints).
 # bench_codec pins the process to one core (it measures one core): it runs last.
 _SINGLE_RANK = [
-    ("bench", TINY, ["| full commit |", "| restore (vs load_checkpoint) |", "peak extra RSS during commit"]),
+    (
+        "bench",
+        TINY,
+        [
+            "| full commit |",
+            "| DeepSpeed load_checkpoint of its own directory |",
+            "| restore (vs load_checkpoint) |",
+            "| restore (vs materialize + load_checkpoint) |",
+            "peak extra RSS during commit",
+            "peak extra RSS during restore:",
+            "peak extra RSS during load_checkpoint:",
+        ],
+    ),
     ("bench_export", [*TINY, "--dtypes", "bfloat16"], ["| ckptstore export, bfloat16 |", "ratios against"]),
     ("bench_cores", [*TINY, "--threads", "1"], ["| export |", "| restore |", "| commit |"]),
     ("bench_s3", [*TINY, "--endpoint", "{endpoint}"], ["| upload: ckptstore commit into S3 |", "bytes sent"]),

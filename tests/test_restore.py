@@ -14,13 +14,6 @@ from tools.engines import batches, build_engine, destroy_engine, train
 
 DATA = batches(6)
 CONFIGS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
-# ZeRO-Offload: the masters and Adam moments on the CPU under DeepSpeedCPUAdam, at ZeRO 3 the
-# parameters' partitions too; restored into the engine's own CPU tensors like any other.
-CPU = {"device": "cpu", "pin_memory": True}
-OFFLOAD = {
-    "zero2-fp32-offload-optimizer": (2, "fp32", {"offload_optimizer": CPU}),
-    "zero3-bf16-offload-param": (3, "bf16", {"offload_optimizer": CPU, "offload_param": CPU}),
-}
 
 
 def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
@@ -64,25 +57,18 @@ def own_memory(engine) -> list[int]:
     return [t.data_ptr() for t in [*weights, *partitions, *moments]]
 
 
-@pytest.mark.parametrize(
-    "stage,dtype,offload",
-    [(s, d, None) for s, d in CONFIGS] + list(OFFLOAD.values()),
-    ids=[f"zero{s}-{d}" for s, d in CONFIGS] + list(OFFLOAD),
-)
+@pytest.mark.parametrize("stage,dtype", CONFIGS, ids=[f"zero{s}-{d}" for s, d in CONFIGS])
 @pytest.mark.either_key  # each configuration with a key or without, alternating (conftest)
-def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(
-    tmp_path, stage, dtype, offload
-):
-    overrides = {"zero_optimization": offload} if offload else {}
+def test_a_restored_engine_trains_on_as_one_loaded_from_the_materialized_step(tmp_path, stage, dtype):
     store = ckptstore.open(tmp_path / "store")
-    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2, **overrides)
+    engine = build_engine("llama", zero_stage=stage, dtype=dtype, seed=0, num_layers=2)
     train(engine, DATA[:3])
     store.commit(engine, 3, client_state={"epoch": 7})
     destroy_engine(engine)
 
-    loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2, **overrides)
+    loaded = build_engine("llama", zero_stage=stage, dtype=dtype, seed=1, num_layers=2)
     _, client = loaded.load_checkpoint(str(store.materialize(3, tmp_path / "out")))
-    restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2, **overrides)
+    restored = build_engine("llama", zero_stage=stage, dtype=dtype, seed=2, num_layers=2)
     if stage > 0:
         train(restored, DATA[5:])  # an engine that holds optimizer state, as after a rollback
         before = own_memory(restored)
@@ -193,29 +179,3 @@ def test_a_rank_failing_mid_restore_fails_it_on_every_rank_and_says_what_it_left
     assert rank0["state"]["weights_the_steps"] and rank1["state"]["weights_the_steps"]
     # and restoring again leaves the engine exactly as load_checkpoint of the step does
     assert rank0["again"] and rank1["again"]
-
-
-@pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)
-def test_the_benchmark_reports_restore_against_both_ways_deepspeed_resumes(tmp_path):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    tiny = ["--hidden", "64", "--layers", "2", "--vocab", "256", "--reps", "1", "--workdir", str(tmp_path)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):  # its own single process
-        env.pop(name, None)
-    out = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench.py"), *tiny],
-        capture_output=True, text=True, env=env, cwd=root, check=True,
-    ).stdout  # fmt: skip
-    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
-    for row in (
-        "DeepSpeed load_checkpoint of its own directory",
-        "restore (vs load_checkpoint)",
-        "restore (vs materialize + load_checkpoint)",
-    ):
-        assert row in rows and rows[row].count("x |") >= 1, row
-    assert "peak extra RSS during restore:" in out and "peak extra RSS during load_checkpoint:" in out

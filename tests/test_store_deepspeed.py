@@ -7,6 +7,7 @@ import ckptstore
 from ckptstore.deepspeed.extract import extract
 from ckptstore.errors import BadInputError, ConflictError, CorruptError, NotFoundError
 from tests.model_parallel_worker import differences
+from tests.test_restore import own_memory
 from tools.engines import batches, build_engine, destroy_engine, train
 
 DATA = batches(6)
@@ -294,12 +295,16 @@ def test_zero_offload_steps_materialize_deepspeeds_own_files_and_resume_as_its_o
 
     # Each resume saved again at once equals DeepSpeed's own save, and trains on as DeepSpeed's
     # own resume does (not the uninterrupted run: DeepSpeed's own save and load of a step is not
-    # always bit-exact on this CPU).
+    # always bit-exact on this CPU). Restore fills the engine's own CPU partitions and moments,
+    # here of an engine that has trained a step, as after a rollback.
     losses, resaved = {}, {}
     for seed, how in enumerate(("deepspeed", "materialized", "restored"), start=41):
         resumed = build_variant(stage, dtype, seed, **overrides)
         if how == "restored":
+            train(resumed, DATA[5:])
+            before = own_memory(resumed)
             assert store.restore(resumed, 3)[0] == 3
+            assert own_memory(resumed) == before
         else:
             resumed.load_checkpoint(str(tmp_path / how))
         assert resumed.global_steps == 3
