@@ -132,6 +132,48 @@ def own_torch_extensions_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".torch_extensions")
 
 
+def remember_cpu_info() -> None:
+    """Make py-cpuinfo's ``get_cpu_info`` answer from a file kept beside this checkout's JIT-built
+    ops, once it has asked the CPU a first time on this host.
+
+    Why: DeepSpeed's CPU op builders ask py-cpuinfo for the architecture and SIMD width (twice)
+    each time an op loads, that is in every process's first engine and in every engine with
+    DeepSpeedCPUAdam, and py-cpuinfo answers each call from a fresh Python process of its own:
+    2.2 s of a process's 7 s first engine on the 2-core box. The answer is the same real one
+    (the JSON py-cpuinfo's own process prints, read back); the ops it sets the flags of are built
+    for this very CPU (-march=native) in the same folder. Idempotent."""
+    import functools
+    import json
+    import platform
+
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "remembered", False):
+        return
+    asked = cpuinfo.get_cpu_info
+    path = os.path.join(own_torch_extensions_dir(), f"cpu_info-{platform.node()}.json")
+
+    @functools.cache
+    def get_cpu_info() -> dict:
+        try:
+            with open(path) as kept:
+                return json.load(kept)
+        except (OSError, ValueError):
+            info = asked()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            partial = f"{path}.{os.getpid()}.tmp"
+            with open(partial, "w") as out:
+                json.dump(info, out)
+            os.replace(partial, path)  # whole or absent, whichever process writes it
+        except OSError:
+            pass  # a read-only checkout asks again next time
+        return info
+
+    get_cpu_info.remembered = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def setup_single_process_env() -> None:
     """Environment for a 1-rank CPU DeepSpeed job. Never overrides values already set (e.g. by
     torch.distributed.run / the deepspeed launcher); JIT-built ops go to this checkout's own folder
@@ -622,3 +664,9 @@ def finalize_distributed() -> None:
             dist.destroy_process_group()
     except Exception:  # pragma: no cover - best effort at shutdown
         pass
+
+
+# Every process that builds an engine (tests, their workers under torchrun, the benches, the demo)
+# imports this module first: each of them then loads DeepSpeed's ops without py-cpuinfo's
+# subprocesses (``remember_cpu_info``).
+remember_cpu_info()
