@@ -37,3 +37,14 @@ def test_a_bench_scripts_jit_built_ops_go_to_the_checkouts_own_folder_not_the_sh
         [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, check=True
     ).stdout
     assert Path(out.strip()) == Path(own_torch_extensions_dir()) / "fused_adam"
+
+
+def test_deepspeeds_op_builders_get_py_cpuinfos_own_answer_from_the_checkouts_file():
+    # DeepSpeed's CPU op builders ask py-cpuinfo (cpuinfo.get_cpu_info, looked up at each call)
+    # for the compile flags of every op they load; the harness answers from a file instead of
+    # py-cpuinfo's fresh process each time (tools.engines.remember_cpu_info): the answer must be
+    # the one py-cpuinfo gives.
+    import cpuinfo
+
+    assert cpuinfo.get_cpu_info.remembered
+    assert cpuinfo.get_cpu_info() == cpuinfo.get_cpu_info.asked()

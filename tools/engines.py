@@ -146,8 +146,10 @@ def remember_cpu_info() -> None:
     import json
     import platform
 
-    import cpuinfo
-
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed is not installed (it brings py-cpuinfo): nothing asks it
+        return
     if getattr(cpuinfo.get_cpu_info, "remembered", False):
         return
     asked = cpuinfo.get_cpu_info
@@ -171,6 +173,7 @@ def remember_cpu_info() -> None:
         return info
 
     get_cpu_info.remembered = True
+    get_cpu_info.asked = asked  # py-cpuinfo's own, for a check that the answers agree
     cpuinfo.get_cpu_info = get_cpu_info
 
 
