@@ -19,8 +19,9 @@ torch 2.13 CPU:
   destroy it between engines; ``build_engine`` calls ``init_distributed`` itself, which is a no-op
   once initialized. The first build also JIT-compiles DeepSpeed's shm comm op (gcc, a few seconds,
   cached afterwards in this checkout's own TORCH_EXTENSIONS_DIR, see ``own_torch_extensions_dir``).
-* The first engine in a process takes ~6 s (loading the JIT-built ops); later ones ~0.03 s
-  (ZeRO 3: ~0.45 s). On a checkout with an empty TORCH_EXTENSIONS_DIR
+* The first engine in a process takes ~5 s (transformers' and DeepSpeed's lazy imports, loading the
+  JIT-built ops; py-cpuinfo's 2.2 s is answered from a file, see ``remember_cpu_info``); later
+  ones ~0.03 s (ZeRO 3: ~0.3 s). On a checkout with an empty TORCH_EXTENSIONS_DIR
   the first build JIT-compiles deepspeed_shm_comm (~45 s) and fused_adam (~85 s), and the first
   ZeRO-Offload engine (DeepSpeedCPUAdam) cpu_adam (~90 s): a fresh clone's CI pays each once.
   ``optimizer={"params": {"torch_adam": True}}`` skips the fused_adam build.
