@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from . import knobs, private
+from . import knobs, private, remote_knobs
 from .arguments import check_path
 from .catalog import file as catalog_file
 from .catalog import sync
@@ -87,9 +87,12 @@ def open(  # noqa: A001 - the public name
         raise BadInputError(f"create must be True or False, not {clip(repr(create), 40)}")
     # Each argument with a CKPTSTORE_* form is held to that setting's range by its reader.
     local = knobs.local_tier(None if local is None else check_path(local, "local"))
-    local_keep, local_max_bytes = knobs.local_keep(local_keep), knobs.local_max_bytes(local_max_bytes)
-    upload, replicas = knobs.local_upload(local_upload), knobs.replicas(replicas)
-    s3_timeout = knobs.s3_timeout(s3_timeout)
+    local_keep, local_max_bytes = (
+        remote_knobs.local_keep(local_keep),
+        remote_knobs.local_max_bytes(local_max_bytes),
+    )
+    upload, replicas = remote_knobs.local_upload(local_upload), remote_knobs.replicas(replicas)
+    s3_timeout = remote_knobs.s3_timeout(s3_timeout)
     content_hash = content_hash_for(key)
     if local and not create:
         _require_tier(local)  # a read never makes a tier (a mistyped --local would)

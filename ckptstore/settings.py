@@ -22,6 +22,9 @@ from pathlib import Path
 from .errors import BadInputError, clip
 
 PREFIX = "CKPTSTORE_"
+# The ranges every group of settings shares (``knobs``, ``remote_knobs``).
+MAX_BYTES = 1 << 50  # 1 PiB: past any checkpoint, far below where sizes overflow a C integer
+DAY = 86400.0
 
 log = logging.getLogger("ckptstore")
 

@@ -19,6 +19,7 @@ LAYERS = [
         "errors",
         "settings",
         "knobs",
+        "remote_knobs",
         "progress",
         "layers",
         "hashing",

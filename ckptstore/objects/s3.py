@@ -47,7 +47,7 @@ from botocore.exceptions import (
     ClientError,
 )
 
-from .. import knobs
+from .. import remote_knobs
 from ..errors import BadInputError, CkptStoreError, NotFoundError, StorageError, redact
 from . import Data, DataReader, FileRange, ObjectInfo, ObjectStore, check_name, data_size, joined
 from .retry import retry
@@ -74,7 +74,7 @@ class S3ObjectStore(ObjectStore):
     ) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-        self.timeout = knobs.s3_timeout(timeout)
+        self.timeout = remote_knobs.s3_timeout(timeout)
         self.client = new_client(endpoint_url, self.timeout)
         # What boto3 resolved (endpoint_url=, AWS_ENDPOINT_URL, or AWS for the region).
         self.endpoint: str = self.client.meta.endpoint_url
@@ -84,9 +84,9 @@ class S3ObjectStore(ObjectStore):
         self._copier = None
         self._copier_lock = threading.Lock()
         self.transfer_config = TransferConfig(
-            multipart_threshold=knobs.s3_multipart_threshold(),
-            multipart_chunksize=knobs.s3_part_size(),
-            max_concurrency=knobs.s3_part_threads(),
+            multipart_threshold=remote_knobs.s3_multipart_threshold(),
+            multipart_chunksize=remote_knobs.s3_part_size(),
+            max_concurrency=remote_knobs.s3_part_threads(),
             preferred_transfer_client="classic",  # the hook above lives on this client
         )
         if check:  # False: a local tier opens while S3 cannot be reached, and checks later
@@ -138,7 +138,7 @@ class S3ObjectStore(ObjectStore):
         )
         if not spilled:
             data = joined(data)
-        if size >= knobs.s3_multipart_threshold() and not single_request:
+        if size >= remote_knobs.s3_multipart_threshold() and not single_request:
             if self.touch(name) is not None:  # there already (and now freshened)
                 return False
 
@@ -160,7 +160,7 @@ class S3ObjectStore(ObjectStore):
 
     def _put_create_only(self, name: str, put: Callable[[], None]) -> bool:
         try:
-            retry(put, attempts=knobs.s3_max_attempts(), should_retry=is_conflict)
+            retry(put, attempts=remote_knobs.s3_max_attempts(), should_retry=is_conflict)
             return True
         except ClientError as exc:
             if is_precondition_failed(exc):
@@ -180,7 +180,7 @@ class S3ObjectStore(ObjectStore):
         if head is None:
             return None
         size = head["ContentLength"]
-        if time.time() - head["LastModified"].timestamp() < knobs.s3_freshen_after():
+        if time.time() - head["LastModified"].timestamp() < remote_knobs.s3_freshen_after():
             return size
         stamp = {"ckptstore-freshened": f"{time.time():.3f}"}
         try:
@@ -251,7 +251,7 @@ class S3ObjectStore(ObjectStore):
         # all) arrive in one GET; the reply's Content-Range gives the size of larger ones,
         # whose remaining ranges are then fetched in parallel, pinned to the same ETag.
         key = self._key(name)
-        threshold = knobs.s3_multipart_threshold()
+        threshold = remote_knobs.s3_multipart_threshold()
         try:
             first, total, etag = self._get_range(key, 0, threshold)
         except ClientError as exc:
@@ -265,14 +265,14 @@ class S3ObjectStore(ObjectStore):
             return first
         buffer = bytearray(total)
         buffer[: len(first)] = first
-        part = max(1, knobs.s3_part_size())
+        part = max(1, remote_knobs.s3_part_size())
         starts = range(len(first), total, part)
 
         def fetch(start: int) -> None:
             data, _, _ = self._get_range(key, start, min(part, total - start), etag)
             buffer[start : start + len(data)] = data
 
-        with ThreadPoolExecutor(min(len(starts), knobs.s3_part_threads())) as pool:
+        with ThreadPoolExecutor(min(len(starts), remote_knobs.s3_part_threads())) as pool:
             self._call("read", name, lambda: list(pool.map(fetch, starts)))
         return bytes(buffer)
 
@@ -313,7 +313,7 @@ class S3ObjectStore(ObjectStore):
         # read is retried here (a request that failed has used up botocore's attempts already).
         response, data = retry(
             request,
-            attempts=knobs.s3_max_attempts(),
+            attempts=remote_knobs.s3_max_attempts(),
             should_retry=lambda exc: reading and isinstance(exc, STREAM_ERRORS),
         )
         content_range = response.get("ContentRange")

@@ -11,7 +11,7 @@ import botocore.loaders
 import botocore.session
 from botocore.config import Config
 
-from .. import knobs
+from .. import knobs, remote_knobs
 from ..errors import BadInputError, clip, redact
 from . import check_name
 
@@ -42,13 +42,13 @@ def new_client(endpoint_url: str | None, timeout: float):
     """A boto3 S3 client for ``endpoint_url`` (None: boto3's choice) in standard retry mode,
     connecting and reading with ``timeout`` seconds."""
     config = Config(
-        retries={"mode": "standard", "total_max_attempts": knobs.s3_max_attempts()},
+        retries={"mode": "standard", "total_max_attempts": remote_knobs.s3_max_attempts()},
         # botocore waits 60 s for a connection and for each read by default, and retries
         # those: an endpoint that never answers would stall each call for minutes.
         connect_timeout=timeout,
         read_timeout=timeout,
         # io_threads objects at once, each with up to s3_part_threads parts in flight.
-        max_pool_connections=knobs.io_threads() * knobs.s3_part_threads() + 4,
+        max_pool_connections=knobs.io_threads() * remote_knobs.s3_part_threads() + 4,
     )
     # A session per store (boto3's default session is not safe to share across threads),
     # sharing one loader: parsing the S3 service model costs 0.25 s per client otherwise.

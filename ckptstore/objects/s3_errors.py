@@ -18,7 +18,7 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from .. import knobs
+from .. import remote_knobs
 from ..errors import CkptStoreError, NotFoundError, StorageError, clip, redact
 
 ACCESS_CODES = {
@@ -89,7 +89,7 @@ def _translate(
         if status is not None and (status >= 500 or status == 429 or code in ("SlowDown", "Throttling")):
             return StorageError(
                 f"cannot {action} {where}: {code} ({message}), still failing after "
-                f"{knobs.s3_max_attempts()} attempts",
+                f"{remote_knobs.s3_max_attempts()} attempts",
                 transient=True,
             )
         return StorageError(f"cannot {action} {where}: {code} ({message})")
@@ -100,7 +100,7 @@ def _translate(
     if isinstance(exc, NETWORK_ERRORS + STREAM_ERRORS):
         return StorageError(
             f"cannot {action} {where}: {endpoint} unreachable after "
-            f"{knobs.s3_max_attempts()} attempts ({exc})",
+            f"{remote_knobs.s3_max_attempts()} attempts ({exc})",
             transient=True,
         )
     return StorageError(f"cannot {action} {where}: {exc}")

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import knobs
+from .. import knobs, remote_knobs
 from ..arguments import check_seconds
 from ..errors import CkptStoreError, NotFoundError, StorageError
 from ..format.config import ensure_config
@@ -187,7 +187,7 @@ class Tier:
                 self.drain(timeout=None)
             else:
                 self._uploader.wake()
-                time.sleep(knobs.local_poll_seconds() / 4)
+                time.sleep(remote_knobs.local_poll_seconds() / 4)
 
     def close(self) -> None:
         """Stop the background uploader after the step it is on, then try once more to upload
@@ -267,7 +267,7 @@ class Tier:
                 break
             # Other ranks' objects are on their way (their processes upload them): worth waiting
             # for even without a timeout, up to CKPTSTORE_LOCAL_WAIT_RANKS seconds.
-            budget = timeout if timeout is not None else (0.0 if failed else knobs.local_wait_ranks())
+            budget = timeout if timeout is not None else (0.0 if failed else remote_knobs.local_wait_ranks())
             if time.monotonic() + wait > start + budget:
                 raise (
                     _failure(failed, self.remote.uri) if failed else _still_waiting(waiting, self.remote.uri)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 
-from .. import knobs
+from .. import remote_knobs
 from ..errors import StorageError
 
 # Node names travel padded to this many bytes (CKPTSTORE_NODE allows 255 characters; hostnames 253).
@@ -39,7 +39,7 @@ def post(data: bytes | None, to: int, group) -> list:
 def finish(works: list, peer: int | None) -> None:
     """Wait for ``works`` (sends or receives with rank ``peer``; None: a collective of every
     rank), each up to the timeout."""
-    timeout = knobs.peer_timeout()
+    timeout = remote_knobs.peer_timeout()
     for work in works:
         try:
             work.wait(timeout=timedelta(seconds=timeout))

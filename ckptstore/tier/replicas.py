@@ -26,7 +26,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from .. import knobs
+from .. import knobs, remote_knobs
 from ..auxfiles import file_key
 from ..errors import CkptStoreError, CorruptError, clip
 from ..format import layout, pack
@@ -55,7 +55,7 @@ def replicated_name(step: int, rank: int) -> str:
 def node_name() -> str:
     """This process's node: ``CKPTSTORE_NODE``, else torchrun's ``GROUP_RANK`` (the agent's
     node rank), else the host name."""
-    return knobs.node() or os.environ.get("GROUP_RANK") or socket.gethostname()
+    return remote_knobs.node() or os.environ.get("GROUP_RANK") or socket.gethostname()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 
-from .. import knobs
+from .. import remote_knobs
 from ..errors import CkptStoreError
 
 log = logging.getLogger("ckptstore")
@@ -48,7 +48,7 @@ class BackgroundUploader:
         from ..commit.background import lower_thread_priority
 
         lower_thread_priority()
-        wait = knobs.local_retry_first()
+        wait = remote_knobs.local_retry_first()
         while not self._stopping.is_set():
             try:
                 failed = self._upload_pass()
@@ -60,13 +60,13 @@ class BackgroundUploader:
             if failed:
                 self._report(failed)
                 pause = random.uniform(wait / 2, wait)
-                wait = min(wait * 2, knobs.local_retry_longest())
+                wait = min(wait * 2, remote_knobs.local_retry_longest())
             else:
                 if self._failing:
                     log.warning("ckptstore: uploads to %s go on again", self._describe)
                 self._failing = False
-                wait = knobs.local_retry_first()
-                pause = knobs.local_poll_seconds()
+                wait = remote_knobs.local_retry_first()
+                pause = remote_knobs.local_poll_seconds()
             self._wake.wait(pause)
             self._wake.clear()
 
