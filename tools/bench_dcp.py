@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.bench_s3 import add_endpoint_option, s3_endpoint  # noqa: E402
 from tools.engines import add_bench_model_options, free_port  # noqa: E402
 
 BUCKET = "bench-dcp"
@@ -44,18 +45,12 @@ def launch(args) -> int:
     """The launcher: an S3 endpoint and a bucket, then this script on 2 ranks."""
     import boto3
 
-    from tools.bench_s3 import start_moto
-
     os.environ.update(
         AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION=REGION,
         CKPTSTORE_PROGRESS="0", OMP_NUM_THREADS="1",
     )  # fmt: skip
-    server = None
-    endpoint = args.endpoint
-    if endpoint is None:
-        server, endpoint = start_moto()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    try:
+    with s3_endpoint(args.endpoint) as endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
         boto3.client("s3", endpoint_url=endpoint, region_name=REGION).create_bucket(Bucket=BUCKET)
         with tempfile.TemporaryDirectory(prefix="bench-dcp-") as work:
             command = [
@@ -65,9 +60,6 @@ def launch(args) -> int:
                 "--reps", str(args.reps),
             ]  # fmt: skip
             return subprocess.run(command, check=False).returncode
-    finally:
-        if server is not None:
-            server.kill()
 
 
 def worker(args) -> None:
@@ -218,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=512, layers=6, vocab=16000, reps=3)
-    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    add_endpoint_option(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
     if args.worker is not None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench_s3 import start_moto  # noqa: E402
+from tools.bench_s3 import add_endpoint_option, s3_endpoint  # noqa: E402
 from tools.engines import add_bench_model_options, batches, build_engine, train, two_node_agents  # noqa: E402
 from tools.netproxy import Proxy, parse_rate  # noqa: E402
 
@@ -52,16 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate", default="8MB", help="the slow link's bytes per second each way (default 8MB)"
     )
-    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    add_endpoint_option(parser)
     args = parser.parse_args(argv)
     env = {
         **os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
         "AWS_DEFAULT_REGION": "us-east-1", "CKPTSTORE_PROGRESS": "0", "DS_ACCELERATOR": "cpu",
     }  # fmt: skip
-    server, endpoint = (None, args.endpoint) if args.endpoint else start_moto()
     work = Path(tempfile.mkdtemp(prefix="ckptstore-bench-replicas-"))
     try:
         with (
+            s3_endpoint(args.endpoint) as endpoint,
             Proxy.for_endpoint(endpoint) as fast,
             Proxy.for_endpoint(endpoint, rate=parse_rate(args.rate)) as slow,
         ):
@@ -100,9 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if server is not None:
-            server.terminate()
-            server.wait()
 
     med = statistics.median
     # The first commit's steps are left out: they are the engine's and the store's warm-up.

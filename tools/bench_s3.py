@@ -22,6 +22,7 @@ with the client: compare ratios, not absolute speeds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -65,6 +67,26 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise SystemExit("the moto server did not start")
 
 
+@contextlib.contextmanager
+def s3_endpoint(given: str | None) -> Iterator[str]:
+    """The S3 endpoint a bench runs against: ``given`` (its ``--endpoint``), else a moto server
+    started here (``start_moto``) for the block and stopped after it."""
+    if given:
+        yield given
+        return
+    server, endpoint = start_moto()
+    try:
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def add_endpoint_option(parser: argparse.ArgumentParser) -> None:
+    """A bench's ``--endpoint`` (``s3_endpoint``)."""
+    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+
+
 def materialize(uri: str, out: Path) -> None:
     import ckptstore
 
@@ -82,23 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=512, layers=4, vocab=8000, reps=2)
-    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    add_endpoint_option(parser)
     args = parser.parse_args(argv)
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     os.environ.setdefault("CKPTSTORE_PROGRESS", "0")
-    server, endpoint = (None, args.endpoint) if args.endpoint else start_moto()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
     work = Path(tempfile.mkdtemp(prefix="ckptstore-bench-s3-"))
     try:
-        return run(args, endpoint, work)
+        with s3_endpoint(args.endpoint) as endpoint:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+            return run(args, endpoint, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if server is not None:
-            server.terminate()
-            server.wait()
 
 
 def run(args, endpoint: str, work: Path) -> int:

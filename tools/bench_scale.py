@@ -219,15 +219,14 @@ def measure_s3(config: str, steps: int, work: Path, fmt: int, endpoint: str | No
     here, or at ``endpoint``)."""
     import ckptstore
     from ckptstore.format.layout import blob_name, manifest_name, pack_name
-    from tools.bench_s3 import start_moto
+    from tools.bench_s3 import s3_endpoint
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     os.environ["CKPTSTORE_PROGRESS"] = "0"
-    server, endpoint = (None, endpoint) if endpoint else start_moto()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    try:
+    with s3_endpoint(endpoint) as endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
         model, ranks, stage = config.split("-")
         params = llama_params(MODELS[model])
         import boto3
@@ -262,9 +261,6 @@ def measure_s3(config: str, steps: int, work: Path, fmt: int, endpoint: str | No
         with ckptstore.open(uri) as store:
             store.gc(keep_last=5, grace=0)
         gc_seconds = time.perf_counter() - started
-    finally:
-        if server is not None:
-            server.terminate()
     return {"s3_steps": steps, "fresh_open_seconds": round(fresh_open, 2), "gc_seconds": round(gc_seconds, 2)}
 
 
@@ -274,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="8b-64-zero3,70b-512-zero3,70b-512-zero2")
     parser.add_argument("--s3-steps", type=int, default=1000, help="steps for the S3 figures (0: skip them)")
     parser.add_argument("--format", type=int, choices=(1, 2), default=2, help="store format to simulate")
-    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    from tools.bench_s3 import add_endpoint_option
+
+    add_endpoint_option(parser)
     args = parser.parse_args(argv)
     configs = args.configs.split(",")
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench_s3 import start_moto  # noqa: E402
+from tools.bench_s3 import add_endpoint_option, s3_endpoint  # noqa: E402
 from tools.engines import (  # noqa: E402
     add_bench_model_options,
     batches,
@@ -51,23 +51,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_model_options(parser, hidden=256, layers=4, vocab=4000, reps=2)
     parser.add_argument("--rate", default="8MB", help="the link's bytes per second each way (default 8MB)")
-    parser.add_argument("--endpoint", help="an S3 endpoint to use instead of a local moto server")
+    add_endpoint_option(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     os.environ.setdefault("CKPTSTORE_PROGRESS", "0")
-    server, endpoint = (None, args.endpoint) if args.endpoint else start_moto()
     work = Path(tempfile.mkdtemp(prefix="ckptstore-bench-tiered-"))
     try:
-        with Proxy.for_endpoint(endpoint, rate=parse_rate(args.rate)) as link:
+        with (
+            s3_endpoint(args.endpoint) as endpoint,
+            Proxy.for_endpoint(endpoint, rate=parse_rate(args.rate)) as link,
+        ):
             os.environ["AWS_ENDPOINT_URL"] = link.endpoint
             return run(args, link, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if server is not None:
-            server.terminate()
-            server.wait()
 
 
 def run(args, link: Proxy, work: Path) -> int:
