@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| materialize --universal from the store | {universal:.2f} | {universal / convert:.2f}x |"
             )
+        dist.barrier()  # no rank may still read the scratch folder when rank 0 removes it
     dist.destroy_process_group()
     return 0
 

@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
             ds_times.append(seconds + barrier_timed(fsync_tree, folder)[0])
             store = ckptstore.open(work / f"store{rep}", create=True)
             commit_times.append(barrier_timed(store.commit, engine, 2, client_state=client_state)[0])
-        ds_bytes, store_bytes = dir_bytes(work / "ds0"), dir_bytes(work / "store0")
         destroy_engine(engine)
 
         universal = work / "universal"
@@ -142,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = build(1, **model)
         seconds_restore = barrier_timed(ckptstore.open(work / "store0").restore, engine, 2)[0]
         destroy_engine(engine)
-        universal_bytes = dir_bytes(universal)
 
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # only rank 0 reads the folders: it removes them at the end
+            ds_bytes, store_bytes = dir_bytes(work / "ds0"), dir_bytes(work / "store0")
+            universal_bytes = dir_bytes(universal)
             ds, commit = statistics.median(ds_times), statistics.median(commit_times)
             uc = seconds_convert + seconds_load
             print(
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(second copy: {universal_bytes / 2**20:.0f} MiB) | {uc:.2f} | 1.00x |")  # fmt: skip
             print(f"| restore into 1 way (resharded at read time, no copy) | {seconds_restore:.2f} "
                   f"| {seconds_restore / uc:.2f}x |")  # fmt: skip
+        dist.barrier()  # no rank may still read the scratch folder when rank 0 removes it
     dist.destroy_process_group()
     return 0
 
