@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ..errors import BadInputError, UnsupportedError, clip
+from ..errors import BadInputError, UnsupportedError
 from ..format import plainstate
 from ..format.codec import dtype_name
 from ..model import BUFFER, FP32, WEIGHT, Piece, Snapshot
-from . import parallel, universal_info
+from . import experts, parallel, universal_info
 from .layout import (
     BASIC,
     BF16_OPTIMIZER,
@@ -72,29 +72,10 @@ def check_engine(engine: Any, flavour: str) -> None:
     """UnsupportedError for engines ckptstore cannot store or restore faithfully (tensor
     parallelism, elastic checkpoints, parameter-alignment padding)."""
     parallel.check_supported(engine)
-    check_no_experts(engine)
     if flavour == ZERO12 and getattr(engine.optimizer, "elastic_checkpoint", False):
         raise UnsupportedError("zero_optimization.elastic_checkpoint is not supported; turn it off")
     if flavour == ZERO12 and any(any(p) for p in engine.optimizer.round_robin_bit16_padding):
         raise UnsupportedError("zero_optimization.parameter_alignment padding is not supported")
-
-
-def check_no_experts(engine: Any) -> None:
-    """UnsupportedError naming the first Mixture-of-Experts layer (``deepspeed.moe.layer.MoE``)
-    of an engine that has one: DeepSpeed saves its experts in files of their own
-    (``layer_*_expert_*_model_states.pt``, ``expp_rank_*`` optimizer files) that this version
-    neither stores nor writes, so a step of it would not load (DESIGN.md invariant 9)."""
-    if not getattr(engine, "has_moe_layers", False):
-        return
-    found = next(
-        (name for name, module in engine.module.named_modules() if type(module).__name__ == "MoE"),
-        "(unnamed)",
-    )
-    raise UnsupportedError(
-        f"the model's Mixture-of-Experts layer {clip(found or '(the model itself)', 120)} (deepspeed.moe.layer.MoE) "
-        "is not supported yet: DeepSpeed keeps its experts in files of their own (layer_*_expert_*, expp_rank_*) "
-        "that ckptstore does not store, so a step of it could not be loaded; engine.save_checkpoint saves it"
-    )
 
 
 def dp_rank(engine: Any) -> int:
@@ -255,6 +236,15 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     # save_checkpoint calls it for that); the module's state is the base engine's answer.
     module = _base_engine_class().module_state_dict(engine) if pipeline else engine.module_state_dict()
     model_state = engine._common_checkpoint_state(module, zero, save_frozen)
+    found_experts = experts.describe(engine, list(module))
+    if found_experts is not None:
+        if pipeline or parallel.is_tensor_parallel(engine):
+            raise UnsupportedError(
+                "MoE layers inside a pipeline or with tensor parallelism are not supported yet"
+            )
+        # what DeepSpeed's MoE save adds, where it adds them (before the client state)
+        model_state["num_experts"] = list(engine.num_experts)
+        model_state["ds_autoep_layers"] = None
     autotp_info = getattr(engine.module, universal_info.UNIVERSAL_INFO, None)
     if autotp_info is not None:  # what AutoTP's save writes for ds_to_universal
         model_state[universal_info.UNIVERSAL_INFO] = autotp_info
@@ -341,6 +331,8 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         "model_state": extra_model,
         "optimizer_state": extra_optim,
     }
+    if found_experts is not None:
+        description["experts"] = found_experts
     if parallel.is_tensor_parallel(engine):
         # Inside a pipeline stage (Megatron's 3D) the slice joins the stage's part: its layer
         # files hold this slice of the stage's layers.

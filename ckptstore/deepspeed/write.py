@@ -23,7 +23,7 @@ from ..errors import CorruptError
 from ..format import plainstate
 from ..format.codec import DTYPES
 from ..model import BUFFER, FP32, WEIGHT
-from . import zero0
+from . import experts, zero0
 from .fill import MODULE, Placeholders, Segment, TensorSource, stored_tensor
 from .layout import (
     BASIC,
@@ -323,6 +323,19 @@ class Writer:
 
     # -- files -----------------------------------------------------------------------------
 
+    def expert_files(self, module: OrderedDict) -> list[tuple[str, object, int | None]]:
+        """The file of every expert of every MoE layer, under its global index."""
+        found = self.d.get("experts") or {"layers": []}
+        return [
+            (
+                experts.expert_file_name(layer, expert, self.mp_rank),
+                OrderedDict((k, module[k]) for k in keys),
+                None,
+            )
+            for layer, described in enumerate(found["layers"])
+            for expert, keys in enumerate(described["experts"])
+        ]
+
     def files(self) -> list[tuple[str, object, int | None]]:
         """Every file of this model-parallel rank: its name, its object (placeholders where
         stored tensors go) and the data-parallel rank that reads it (None: every rank)."""
@@ -330,8 +343,14 @@ class Writer:
         module = self.module()
         mp = f"mp_rank_{self.mp_rank:02d}"
         layer_files = self.model_parallel.get("layer_files") if self.model_parallel else None
-        # A pipeline's module state is in its layer files; its model-states file has none.
-        states_module = None if layer_files else module
+        # A pipeline's module state is in its layer files; its model-states file has none, and
+        # a MoE model's experts are in their own files.
+        in_expert_files = experts.expert_keys(self.d)
+        states_module = (
+            None
+            if layer_files
+            else OrderedDict((key, value) for key, value in module.items() if key not in in_expert_files)
+        )
         ds_config = self.d["model_state"].get("ds_config")
         ds_version = self.d["model_state"].get("ds_version")
         prefix = "bf16_" if self.d["bf16"] else ""
@@ -364,6 +383,9 @@ class Writer:
             files.append(
                 (model_states_name(self.mp_rank), self.model_state(0, states_module, optimizer), None)
             )
+            if "experts" in self.d:  # the same state again, as the expert-parallel rank's own
+                files.append((experts.optimizer_file_name(0, self.mp_rank), {"optimizer": optimizer}, None))
+        files.extend(self.expert_files(module))
         for name, keys in layer_files or ():
             files.append((name, OrderedDict((key, module[full_name]) for key, full_name in keys), None))
         return files
