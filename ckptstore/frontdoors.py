@@ -49,6 +49,7 @@ def materialize(
     tag: str | None,
     allow_pickle: bool = False,
     universal: bool = False,
+    ep_size: int | None = None,
 ) -> Path:
     """``Store.materialize``: the directory of ``step`` (or of a compose ``spec``) at ``out``,
     in the layout of the door that wrote the step; raises as ``Store.materialize`` says
@@ -56,21 +57,27 @@ def materialize(
     step, description = _dcp_step(catalog, step, spec)
     with outputs.writing(out, "materialize"):
         if universal:
-            if spec is not None or world_size is not None or tag is not None:
-                raise BadInputError("materialize --universal takes a step, not --spec, --world-size or --tag")
+            if spec is not None or world_size is not None or tag is not None or ep_size is not None:
+                raise BadInputError(
+                    "materialize --universal takes a step, not --spec, --world-size, --ep-size or --tag"
+                )
             if description is not None:
                 raise UnsupportedError(
                     f"materialize --universal of step {step}: a DCP step has no universal form"
                 )
             return materialize_universal(objects, catalog, step, out, force=force)
         if description is not None:
+            if ep_size is not None:
+                raise BadInputError(
+                    f"step {step} was saved through DCP: an expert-parallel size does not apply"
+                )
             return materialize_dcp(
                 objects, catalog, step, description, out,
                 force=force, world_size=world_size, tag=tag, allow_pickle=allow_pickle,
             )  # fmt: skip
         return materialize_engine_step(
             objects, catalog, step, out,
-            spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle,
+            spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle, ep_size=ep_size,
         )  # fmt: skip
 
 

@@ -78,6 +78,9 @@ class Snapshot:
     # Where each model-parallel rank (a pipeline stage, a tensor slice) describes only its own
     # part: joins the parts of every model-parallel rank into the step's one description.
     combine: Callable[[list[dict]], dict] | None = None
+    # Whether this rank sends its part to ``combine`` (None: data-parallel rank 0 does, the
+    # first rank of each model-parallel part); the ranks of different parts must all send.
+    sends_part: bool | None = None
 
 
 @dataclass(frozen=True)

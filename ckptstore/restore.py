@@ -155,7 +155,7 @@ def _plan(
     options: dict[str, bool],
 ) -> RankShare:
     """This rank's share of step ``chosen`` (or of ``spec``), checked against the engine, not yet read."""
-    from .deepspeed import parallel, reshard
+    from .deepspeed import experts, parallel, reshard
     from .deepspeed.extract import check_engine, dp_rank, extract
     from .deepspeed.load import RankShare, derives_module_weights, engine_tensors, loads_partitions
 
@@ -170,6 +170,8 @@ def _plan(
             f"({description['flavour']}); this one runs ZeRO-{stage} ({flavour})"
         )
     reader = step_reader(objects, catalog, state, description, sources)
+    # the engine's experts are the step's, spread over the engine's expert-parallel ranks
+    description = experts.with_ep_size(description, experts.ep_size_of(engine), engine.dp_world_size, state)
     if not parallel.same_split(description, engine, f"step {state}"):
         stored = description
         # The engine is split as the step's own universal_checkpoint_info says, if it has one.
@@ -186,7 +188,9 @@ def _plan(
         if loads_partitions(engine, flavour, options)
         else None
     )
-    return RankShare(
+    share = RankShare(
         description, reader, engine.dp_world_size, rank, skip_module_weights=derive, into=into,
         mp_rank=getattr(engine, "checkpoint_mp_rank", 0), slices=parallel.tensor_degree(engine),
     )  # fmt: skip
+    experts.hand_optimizer_file_as_asked(share.files, engine, getattr(engine, "checkpoint_mp_rank", 0))
+    return share

@@ -142,6 +142,7 @@ class Store(StoreQueries, TierVerbs):
         tag: str | None = None,
         allow_pickle: bool = False,
         universal: bool = False,
+        ep_size: int | None = None,
     ) -> Path:
         """Write a DeepSpeed checkpoint directory for ``step`` at ``out`` and return its path.
 
@@ -161,7 +162,11 @@ class Store(StoreQueries, TierVerbs):
         ``auxfiles.refusal`` refuses: nothing is written), ConflictError (non-empty ``out``),
         StorageError naming ``out`` when it cannot be written (full disk, read-only file
         system, permissions, ``ulimit -f``: nothing is left there). ``world_size`` is at most
-        the trainable parameter elements and under ``ulimit -n`` (BadInputError).
+        the trainable parameter elements and under ``ulimit -n`` (BadInputError). A step with
+        DeepSpeed MoE layers is written for ``ep_size`` expert-parallel ranks (default: the
+        committed degree), which must divide ``world_size`` and every layer's experts
+        (BadInputError, as is ``ep_size`` for a step without experts): DeepSpeed's own load
+        cannot change the degree, the store can (docs/moe.md).
 
         A step saved through DCP (``integrations.dcp.StoreWriter``) becomes a standard DCP
         checkpoint directory instead (``FileSystemReader`` and ``dcp_to_torch_save`` read it),
@@ -186,7 +191,7 @@ class Store(StoreQueries, TierVerbs):
         return frontdoors.materialize(
             self.objects, self.catalog, step, out,
             spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle,
-            universal=universal,
+            universal=universal, ep_size=ep_size,
         )  # fmt: skip
 
     @while_open

@@ -1,17 +1,26 @@
 """Mixture-of-Experts engines (DeepSpeed's ``deepspeed.moe.layer.MoE``): a step holds every
-expert, ``materialize`` writes every file DeepSpeed's own save writes (the expert files, the
-model states with ``num_experts``, the ZeRO-0 ``expp_rank`` optimizer file) with equal tensors,
-and resumes from it and from ``restore`` train on as DeepSpeed's own resume does."""
+expert by its global index, ``materialize`` writes every file DeepSpeed's own save writes (the
+expert files, the model states with ``num_experts``, the ZeRO-0 ``expp_rank`` optimizer files)
+with equal tensors and entries, resumes from it and from ``restore`` train on as DeepSpeed's
+own resume does, and a step moves across expert-parallel degrees, which DeepSpeed cannot do.
+
+The two-rank scenarios run in one ``torch.distributed.run`` job (tests/moe_worker.py)."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
 import ckptstore
+from ckptstore.errors import BadInputError, UnsupportedError
 from tests.model_parallel_worker import differences, tensors_of
+from tests.moe_worker import logical_state, unlike
+from tests.test_many_ranks import torchrun_modes
 from tools.engines import batches, destroy_engine, train
 from tools.moe_engines import VOCAB, build_moe_engine
 
 DATA = batches(5, vocab=VOCAB)
+WORKER = Path(__file__).with_name("moe_worker.py")
 
 
 def stored_files(root) -> list:
@@ -74,3 +83,143 @@ def test_a_moe_step_materializes_deepspeeds_own_files_and_resumes_as_its_own_res
         destroy_engine(resumed)
     assert resaved == {"deepspeed": [], "materialized": [], "restored": []}
     assert losses["materialized"] == losses["restored"] == losses["deepspeed"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    """One two-rank job: steps at expert parallelism 1 (expert data parallelism) and 2, each
+    resharded into the other degree. Ep 1 first: DeepSpeed's ZeRO-0 load names its optimizer
+    file after the largest expert group the process ever made."""
+    root = tmp_path_factory.mktemp("moe")
+    modes = ["ep1", "ep1_into_ep2", "ep2", "ep2_into_ep1"]
+    return root, torchrun_modes(modes, root, worker=WORKER, timeout=600)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep1"])
+def test_expert_parallel_steps_materialize_deepspeeds_own_files_and_resume_as_its_own_resume(
+    two_ranks, layout
+):
+    _, observed = two_ranks
+    configs = {"ep2": {f"zero{s}-{d}" for s in (0, 1, 2) for d in ("fp32", "bf16")},
+               "ep1": {"zero0-bf16", "zero1-fp32", "zero2-bf16"}}[layout]  # fmt: skip
+    for rank, runs in enumerate(observed[layout]):
+        assert set(runs) == configs
+        for config, run in runs.items():
+            where = (layout, rank, config)
+            assert run["materialized"] == run["materialized_layout"] == [], where
+            assert run["restored_step"] == 3, where
+            assert run["deepspeed_resaved"] == run["materialized_resaved"] == run["restored_resaved"] == [], (
+                where
+            )
+            assert run["materialized_losses"] == run["restored_losses"] == run["deepspeed_losses"], where
+            # ep 2 at ZeRO 0: each expert-parallel rank's optimizer file; ep 1: one
+            expp = [name for name in run["files"] if name.startswith("expp_rank_")]
+            assert len(expp) == (0 if not config.startswith("zero0") else 2 if layout == "ep2" else 1), where
+
+
+@pytest.mark.parametrize("reshard", ["ep2_into_ep1", "ep1_into_ep2"])
+def test_a_step_restores_and_materializes_at_another_expert_parallel_degree(two_ranks, reshard):
+    _, observed = two_ranks
+    for rank, runs in enumerate(observed[reshard]):
+        assert set(runs) == {"zero0-bf16", "zero2-bf16"}
+        for config, run in runs.items():
+            where = (reshard, rank, config)
+            assert run["restored_step"] == 3 and run["restored"] == [] and run["restored_trains"], where
+            assert run["group_names"] == ["dense-params", f"ep_size_{reshard[-1]}"], where
+            expp = [name for name in run["files"] if name.startswith("expp_rank_")]
+            assert len(expp) == (0 if config == "zero2-bf16" else 2 if reshard == "ep1_into_ep2" else 1), (
+                where
+            )
+            if "materialized" in run:  # (see moe_worker.reshard: not ep 2 -> 1 at ZeRO 0 in this job)
+                assert run["materialized"] == [], where
+        assert "materialized" in runs["zero2-bf16"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_an_expert_parallel_step_restores_and_materializes_into_one_rank(two_ranks, tmp_path, stage):
+    root, _ = two_ranks
+    config = root / "ep2" / f"zero{stage}-bf16"
+    committed = torch.load(config / "logical.pt")
+    store = ckptstore.open(config / "store")
+
+    engine = build_moe_engine(stage, "bf16", seed=9, ep_size=1)
+    assert store.restore(engine, 3)[0] == 3
+    assert unlike(logical_state(engine), committed) == []
+    destroy_engine(engine)
+
+    store.materialize(3, tmp_path / "one-rank", world_size=1, ep_size=1)
+    engine = build_moe_engine(stage, "bf16", seed=10, ep_size=1)
+    engine.load_checkpoint(str(tmp_path / "one-rank"))
+    assert unlike(logical_state(engine), committed) == []
+    train(engine, DATA[3:4])
+    destroy_engine(engine)
+
+
+def test_expert_parallel_sizes_that_do_not_fit_are_refused_before_anything_is_written(
+    two_ranks, tmp_path, run
+):
+    root, _ = two_ranks
+    store = root / "ep2" / "zero2-bf16" / "store"
+    out = tmp_path / "out"
+    for args, code, message in [
+        (
+            ["--ep-size", "3", "--world-size", "3"],
+            2,
+            "4 experts of the MoE layer blocks.1.moe cannot be split over 3",
+        ),
+        (["--ep-size", "2", "--world-size", "1"], 2, "expert parallelism 2 does not divide the 1 ranks"),
+        (["--universal"], 6, "MoE layers have no universal form"),
+    ]:
+        result = run("--store", store, "materialize", "--step", "3", *args, out)
+        assert (result.returncode, message in result.stderr) == (code, True), (args, result.stderr)
+        assert "Traceback" not in result.stderr and not out.exists()
+    with pytest.raises(UnsupportedError, match="no universal form"):
+        ckptstore.open(store).materialize(3, out, universal=True)
+
+
+def test_an_expert_parallel_size_for_a_step_without_experts_is_refused(tmp_path):
+    from tools.engines import build_engine
+
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_engine("llama", 2, "bf16", num_layers=1, hidden=16)
+    store.commit(engine, step=1)
+    destroy_engine(engine)
+    with pytest.raises(BadInputError, match="step 1 has no Mixture-of-Experts layer"):
+        store.materialize(1, tmp_path / "out", ep_size=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_expert_parallel_step_verifies_and_gives_every_expert_by_global_index(two_ranks, tmp_path):
+    root, _ = two_ranks
+    config = root / "ep2" / "zero2-fp32"
+    store = ckptstore.open(config / "store")
+    assert store.verify().ok
+    weights = store.state_dict(3)
+    own = config / "deepspeed" / "global_step3"
+    for layer in (0, 1):
+        for expert in range(4):  # experts 2 and 3 were rank 1's local 0 and 1
+            saved = torch.load(own / f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt")
+            assert saved and all(torch.equal(weights[key], tensor) for key, tensor in saved.items())
+    exported = store.export(3, tmp_path / "exported")
+    assert exported.tensors == len(weights)
+
+
+def test_attach_commits_a_moe_engines_save_checkpoint_and_its_load_restores_it(tmp_path):
+    from ckptstore.integrations.deepspeed import attach, detach
+
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_moe_engine(0, "bf16")
+    train(engine, DATA[:3])
+    engine.save_checkpoint(str(tmp_path / "deepspeed"))
+    attach(engine, store)
+    engine.save_checkpoint(str(tmp_path / "attached"))
+    destroy_engine(engine)
+    assert store.steps() == [3] and not list((tmp_path / "attached").glob("*/*expert*"))
+
+    resumed = build_moe_engine(0, "bf16", seed=3)
+    attach(resumed, store)
+    resumed.load_checkpoint(str(tmp_path / "attached"))
+    detach(resumed)
+    resumed.save_checkpoint(str(tmp_path / "resaved"))
+    destroy_engine(resumed)
+    assert differences(tmp_path / "resaved" / "global_step3", tmp_path / "deepspeed" / "global_step3") == []

@@ -36,6 +36,11 @@ def check_step_or_spec(step: int | None, spec: str | None) -> None:
     help="Data-parallel size of the job that will load it (default: the committing job's).",
 )  # fmt: skip
 @click.option(
+    "--ep-size", type=click.IntRange(min=1), default=None,
+    help="Expert-parallel size of the job that will load it, for a step with DeepSpeed MoE layers "
+    "(default: the committing job's); it must divide --world-size and each layer's experts.",
+)  # fmt: skip
+@click.option(
     "--force", is_flag=True, help="Replace OUT if materialize or export wrote it (never another folder)."
 )
 @click.option(
@@ -62,6 +67,7 @@ def materialize(
     step: int | None,
     spec: str | None,
     world_size: int | None,
+    ep_size: int | None,
     force: bool,
     tag: str | None,
     allow_pickle: bool,
@@ -92,12 +98,13 @@ def materialize(
     Example: ckptstore --store runs/store materialize --step 300 out/
     For accelerate's load_state: ckptstore materialize --step 300 --tag pytorch_model out/
     DeepSpeed's universal checkpoint: ckptstore materialize --universal --step 300 out/
+    A MoE step for 2 ranks without expert parallelism: ckptstore materialize --step 300 --world-size 2 --ep-size 1 out/
     """
     check_step_or_spec(step, spec)
     with open_store(ctx) as store:
         path = store.materialize(
             step, out, spec=spec, world_size=world_size, force=force, tag=tag, allow_pickle=allow_pickle,
-            universal=universal,
+            universal=universal, ep_size=ep_size,
         )  # fmt: skip
     click.echo(f"materialized {f'step {step}' if spec is None else spec} at {path}")
 

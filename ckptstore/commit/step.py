@@ -78,8 +78,10 @@ class _RankCommit:
             config.upgrade(self.objects)
         self.file_entries = auxfiles.collect(files) if files is not None else None
         self.snapshot = snapshot = take_snapshot()
-        # A model-parallel part is the same on every data-parallel rank: the first one sends it.
-        part = snapshot.description if snapshot.combine is not None and snapshot.rank == 0 else None
+        # A model-parallel part is the same on every data-parallel rank: the first one sends it
+        # (of expert-parallel parts, the first of each expert-data-parallel group).
+        sends = snapshot.rank == 0 if snapshot.sends_part is None else snapshot.sends_part
+        part = snapshot.description if snapshot.combine is not None and sends else None
         return stats.own_samples(snapshot.pieces, snapshot.description["params"]), part
 
     def store(

@@ -9,6 +9,8 @@ the caller must store or copy them before the next optimizer step.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,6 +80,15 @@ def check_engine(engine: Any, flavour: str) -> None:
         raise UnsupportedError("zero_optimization.parameter_alignment padding is not supported")
 
 
+def _partition_ranks(engine: Any, groups: int, rank: int) -> list[int]:
+    """This rank's rank in the group each ZeRO-1/2 param group is partitioned over: the
+    data-parallel group, or for an expert group its expert-data-parallel group."""
+    process_groups = getattr(engine.optimizer, "real_dp_process_group", None)
+    if not process_groups or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [rank] * groups
+    return [torch.distributed.get_rank(group=group) for group in process_groups]
+
+
 def dp_rank(engine: Any) -> int:
     """The engine's rank in its data-parallel group (0 without torch.distributed)."""
     # A torch optimizer (ZeRO 0) has no group of its own; the engine's is the data-parallel one.
@@ -117,19 +128,23 @@ def _cut_flat(
         pieces.append(Piece.cut(names[i], kind, start, chunk, shapes[i]))
 
 
-def _extract_zero12(engine: Any, osd: dict, param_shapes: list, rank: int, pieces: list[Piece]) -> list[dict]:
+def _extract_zero12(
+    osd: dict, param_shapes: list, ranks: list[int], rename: Callable[[str], str], pieces: list[Piece]
+) -> list[dict]:
+    """Groups of a ZeRO-1/2 optimizer state ``osd`` whose partition ``ranks[g]`` of group g
+    this rank holds (its rank in the group's data-parallel group), names ``rename``d."""
     base = osd["base_optimizer_state"]
     if not isinstance(base, dict):
         raise UnsupportedError("elastic ZeRO checkpoints are not supported")
     groups = []
     for g, shapes in enumerate(param_shapes):
-        names, sizes = list(shapes.keys()), list(shapes.values())
+        names, sizes = [rename(name) for name in shapes], list(shapes.values())
         tensors, scalars = _split_state(base["state"].get(g, {}))
         lean_fp32 = osd["single_partition_of_fp32_groups"][g]
         # The torch state covers the whole partition, padding included; the fp32 partition
         # drops the trailing padding (ZeRO 1/2) or keeps it (BF16_Optimizer).
         partition_size = lean_fp32.numel() + (osd["group_paddings"][g] if "zero_stage" in osd else 0)
-        start = rank * partition_size
+        start = ranks[g] * partition_size
         _cut_flat(names, sizes, start, lean_fp32, FP32, pieces)
         for kind, tensor in tensors.items():
             _cut_flat(names, sizes, start, tensor, kind, pieces)
@@ -170,12 +185,12 @@ def _extract_zero3(engine: Any, osd: dict, param_shapes: list, rank: int, pieces
 
 
 def _extract_basic(
-    engine: Any, osd: dict, params: list[list], masters: list[list[torch.Tensor]], pieces: list[Piece]
+    param_names: dict, osd: dict, params: list[list], masters: list[list[torch.Tensor]], pieces: list[Piece]
 ) -> list[dict]:
     """Groups of a torch optimizer's state dict ``osd`` over the module's ``params`` (per
-    group, in its order), whose fp32 values are ``masters``: the parameters themselves (fp32
-    ZeRO 0), or ``FP16_UnfusedOptimizer``'s fp32 copies of them."""
-    names_by_index = [engine.param_names[p] for group in params for p in group]
+    group, in its order, named by ``param_names``), whose fp32 values are ``masters``: the
+    parameters themselves (fp32 ZeRO 0), or ``FP16_UnfusedOptimizer``'s fp32 copies of them."""
+    names_by_index = [param_names[p] for group in params for p in group]
     if not len(masters) == len(params) == len(osd["param_groups"]):
         raise UnsupportedError("the optimizer's fp32 groups do not match its parameter groups")
     groups = []
@@ -195,11 +210,11 @@ def _extract_basic(
     return groups
 
 
-def _extract_fp16_optimizer(engine: Any, osd: dict, pieces: list[Piece]) -> list[dict]:
+def _extract_fp16_optimizer(engine: Any, param_names: dict, osd: dict, pieces: list[Piece]) -> list[dict]:
     torch_osd = osd["optimizer_state_dict"]
     groups = []
     for g, params in enumerate(engine.optimizer.fp16_groups):
-        names = [engine.param_names[p] for p in params]
+        names = [param_names[p] for p in params]
         shapes = [tuple(p.shape) for p in params]
         tensors, scalars = _split_state(torch_osd["state"].get(g, {}))
         _cut_flat(names, shapes, 0, osd["fp32_groups_flat"][g], FP32, pieces)
@@ -237,7 +252,9 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     module = _base_engine_class().module_state_dict(engine) if pipeline else engine.module_state_dict()
     model_state = engine._common_checkpoint_state(module, zero, save_frozen)
     found_experts = experts.describe(engine, list(module))
-    if found_experts is not None:
+    expert_part, expert_ranks = found_experts if found_experts is not None else (None, None)
+    rename: Callable[[str], str] = lambda name: name  # noqa: E731
+    if expert_ranks is not None:
         if pipeline or parallel.is_tensor_parallel(engine):
             raise UnsupportedError(
                 "MoE layers inside a pipeline or with tensor parallelism are not supported yet"
@@ -245,6 +262,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         # what DeepSpeed's MoE save adds, where it adds them (before the client state)
         model_state["num_experts"] = list(engine.num_experts)
         model_state["ds_autoep_layers"] = None
+        # every expert by its global index, as its expert file names it
+        rename = expert_ranks.global_name
+        module = OrderedDict((rename(key), value) for key, value in module.items())
+    param_names = {param: rename(name) for param, name in engine.param_names.items()}
     autotp_info = getattr(engine.module, universal_info.UNIVERSAL_INFO, None)
     if autotp_info is not None:  # what AutoTP's save writes for ds_to_universal
         model_state[universal_info.UNIVERSAL_INFO] = autotp_info
@@ -259,26 +280,34 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
 
     pieces: list[Piece] = []
     if flavour in (ZERO12, BF16_OPTIMIZER):
-        groups = _extract_zero12(engine, osd, model_state["param_shapes"], rank, pieces)
+        ranks = _partition_ranks(engine, len(model_state["param_shapes"]), rank)
+        groups = _extract_zero12(osd, model_state["param_shapes"], ranks, rename, pieces)
     elif flavour == ZERO3:
         groups = _extract_zero3(engine, osd, model_state["param_shapes"], rank, pieces)
     elif flavour == BASIC:
         params = [group["params"] for group in engine.optimizer.param_groups]
-        masters = [[module[engine.param_names[p]] for p in group] for group in params]
-        groups = _extract_basic(engine, osd, params, masters, pieces)
+        masters = [[module[param_names[p]] for p in group] for group in params]
+        groups = _extract_basic(param_names, osd, params, masters, pieces)
     elif flavour == FP16_UNFUSED:
         groups = _extract_basic(
-            engine, osd["optimizer_state_dict"], engine.optimizer.fp16_groups, osd["fp32_groups"], pieces
+            param_names, osd["optimizer_state_dict"], engine.optimizer.fp16_groups, osd["fp32_groups"], pieces
         )
     else:
-        groups = _extract_fp16_optimizer(engine, osd, pieces)
-    if not zero and rank != 0:
-        pieces = []  # ZeRO 0 replicates everything: rank 0 stores it once
+        groups = _extract_fp16_optimizer(engine, param_names, osd, pieces)
+    # What ZeRO 0 replicates, and every rank holds of what ZeRO 1/2 do not partition, the
+    # first rank stores once: of each expert, the first rank of its expert-data-parallel group.
+    own_experts = set(expert_ranks.renames.values()) if expert_ranks is not None else set()
+
+    def stores_replica(name: str) -> bool:
+        return expert_ranks.edp_rank == 0 if name in own_experts else rank == 0
+
+    if not zero:
+        pieces = [piece for piece in pieces if stores_replica(piece.name)]
     part, elsewhere = parallel.pipeline_part(engine, list(module)) if pipeline else (None, set())
 
-    aliases = _aliases(engine)
+    aliases = {rename(alias): rename(owner) for alias, owner in _aliases(engine).items()}
     trainable = {name for group in groups for name in group["params"]}
-    buffer_names = set(engine._get_buffer_names())
+    buffer_names = {rename(name) for name in engine._get_buffer_names()}
     frozen_fragments = model_state.get("frozen_param_fragments") or {}
     params: dict[str, dict] = {}
     module_keys: list[list[str]] = []
@@ -292,7 +321,7 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
             continue
         if key in buffer_names:
             module_keys.append([key, BUFFER])
-            if rank == 0:
+            if stores_replica(key):
                 pieces.append(Piece(key, BUFFER, 0, tensor))
             continue
         module_keys.append([key, "param"])
@@ -304,7 +333,7 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
                 _add_zero3_frozen(key, shape, frozen_fragments[key], rank, world_size, pieces)
             continue
         if key not in trainable:
-            if rank == 0:
+            if stores_replica(key):
                 pieces.append(Piece(key, WEIGHT, 0, tensor))
             continue
         # Module weights at ZeRO 0-2 are the fp32 masters cast down; storing them again would
@@ -331,8 +360,16 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
         "model_state": extra_model,
         "optimizer_state": extra_optim,
     }
-    if found_experts is not None:
-        description["experts"] = found_experts
+    if expert_ranks is not None and expert_ranks.ep_size > 1:
+        # Each expert-parallel rank describes its own experts: the first of each sends its part.
+        description["experts"] = expert_part
+        snapshot = Snapshot(
+            plainstate.to_plain(description), pieces, rank, world_size, combine=experts.combine
+        )
+        snapshot.sends_part = expert_ranks.edp_rank == 0
+        return snapshot
+    if expert_ranks is not None:
+        description["experts"] = {key: value for key, value in expert_part.items() if key != "ep_rank"}
     if parallel.is_tensor_parallel(engine):
         # Inside a pipeline stage (Megatron's 3D) the slice joins the stage's part: its layer
         # files hold this slice of the stage's layers.

@@ -23,7 +23,7 @@ import torch
 from .. import pathnames
 from ..errors import CorruptError
 from ..model import FP32, WEIGHT
-from . import parallel
+from . import experts, parallel
 from .fill import MODULE, Filler, TensorSource
 from .layout import BF16_OPTIMIZER, ZERO3, ZERO12
 from .stepfiles import StepWriter
@@ -91,7 +91,7 @@ class RankShare:
     ) -> None:
         writer = StepWriter(description, tensors, world_size, into, mp_ranks=[mp_rank])
         self.files: dict[str, object | None] = {
-            name: obj if reader in (None, rank) else None for name, obj, (_, reader) in writer.files()
+            name: obj if _reads(reader, rank) else None for name, obj, (_, reader) in writer.files()
         }
         _bf16_zero0_optimizer(description, self.files, rank, mp_rank)
         own = set(self.files)
@@ -162,6 +162,10 @@ class RankShare:
                 else:
                     add(segment.name, segment.kind, segment.source_start, end)
         return [(name, kind, lo, hi) for (name, kind), (lo, hi) in spans.items()]
+
+
+def _reads(reader: int | tuple[int, ...] | None, rank: int) -> bool:
+    return reader is None or reader == rank or (isinstance(reader, tuple) and rank in reader)
 
 
 def _bf16_zero0_optimizer(
@@ -257,7 +261,11 @@ def engine_tensors(
             if isinstance(value, torch.Tensor) and value.shape == partition.shape:
                 into[(kind, group, rank)] = value
     if module_weights:
-        into.update(((MODULE, name), param) for name, param in engine.module.named_parameters())
+        global_names = experts.live_to_global(engine)  # the store names experts by global index
+        into.update(
+            ((MODULE, global_names.get(name, name)), param)
+            for name, param in engine.module.named_parameters()
+        )
     return into
 
 

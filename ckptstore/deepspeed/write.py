@@ -76,6 +76,10 @@ class Writer:
         self.world_size = world_size
         self.params = self.d["params"]
         self.holes = holes if holes is not None else Placeholders()
+        self.experts = experts.ExpertLayout(self.d, world_size)
+        for group in self.d["groups"]:
+            if self.experts.has_experts(group["params"]):
+                group["hyper"] = experts.group_options(group["hyper"], self.experts.ep_size)
         # An engine's own tensors standing in for placeholders: ``(kind, group, rank)`` -> the
         # buffer to fill in place of that rank's partition of ``kind`` (ZeRO 1/2), and
         # ``(MODULE, name)`` -> the parameter itself, put in the module state dict unread.
@@ -200,9 +204,11 @@ class Writer:
     def param_shapes(self) -> list[OrderedDict]:
         if self.flavour == ZERO3:
             flat_groups = [sub for group in self.d["groups"] for sub in group["subgroups"]]
-        else:
-            flat_groups = [group["params"] for group in self.d["groups"]]
-        return [OrderedDict((n, self.shape(n)) for n in names) for names in flat_groups]
+        else:  # of the experts, rank 0's own, under their local names (DeepSpeed's)
+            flat_groups = [self.experts.held(group["params"], 0) for group in self.d["groups"]]
+        return [
+            OrderedDict((self.experts.local_name(n), self.shape(n)) for n in names) for names in flat_groups
+        ]
 
     # -- optimizer state ---------------------------------------------------------------------
 
@@ -220,50 +226,64 @@ class Writer:
         return flat
 
     def partitioned(
-        self, names: list[str], kind: str, size: int, group: int | None = None
+        self, names: list[str], kind: str, size: int, group: int | None = None, ranks: list[int] | None = None
     ) -> list[torch.Tensor]:
-        """Placeholders for ``kind`` of ``names`` laid end to end, zero-padded, one per rank
-        (an engine buffer where ``into`` has one that fits)."""
+        """Placeholders for ``kind`` of ``names`` laid end to end, zero-padded, one per rank of
+        ``ranks`` (default: every rank), in that order (an engine buffer where ``into`` has one
+        that fits)."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
         dtype = self.group_dtype(names, kind)
-        buffers = [
-            self.holes.new(size, dtype, reuse=self.into.get((kind, group, r))) for r in range(self.world_size)
-        ]
+        buffers = [self.holes.new(size, dtype, reuse=self.into.get((kind, group, r))) for r in ranks]
         offset = 0
         for name in names:
             end = offset + self.shape(name).numel()
-            for r in range(offset // size, min(self.world_size, -(-end // size))):
+            for r in range(offset // size, min(len(ranks), -(-end // size))):
                 lo, hi = max(offset, r * size), min(end, (r + 1) * size)
                 self.place(buffers[r], name, kind, lo - offset, hi - lo, lo - r * size)
             offset = end
         return buffers
 
+    def partition_sets(self, names: list[str]) -> list[tuple[list[int], list[str]]]:
+        """The ranks a ZeRO-1/2 group of ``names`` is partitioned over, each with the names laid
+        out there: every rank over all of them, or for an expert group each expert-parallel
+        rank's own experts over its expert-data-parallel group (DeepSpeed's moe groups)."""
+        if not self.experts.has_experts(names):
+            return [(list(range(self.world_size)), names)]
+        return [(self.experts.sharing(e), self.experts.held(names, e)) for e in range(self.experts.ep_size)]
+
     def zero12_files(self) -> list[dict]:
         W = self.world_size
         groups = self.d["groups"]
         per_rank: list[dict] = [
-            {"state": {}, "param_groups": [], "fp32": [], "paddings": [], "mappings": []} for _ in range(W)
-        ]
+            {"state": {}, "param_groups": [], "fp32": [], "paddings": [], "mappings": [], "counts": [],
+             "alignment": []}
+            for _ in range(W)
+        ]  # fmt: skip
         for g, group in enumerate(groups):
-            names = group["params"]
-            used = sum(self.shape(n).numel() for n in names)
-            size = flat_partition_size(used, W)
-            # Each rank's partition gets its own zero-filled buffer (the tail padding), and every
-            # parameter is copied straight into the ranks it overlaps: one copy per element.
-            partitions = {
-                kind: self.partitioned(names, kind, size, g) for kind in [FP32, *group["state_kinds"]]
-            }
-            for r, out in enumerate(per_rank):
-                lo, hi = r * size, (r + 1) * size
-                padding = size if used <= lo else (hi - used if used < hi else 0)
-                fp32 = partitions[FP32][r]
-                # ZeRO 1/2 save the fp32 partition without its padding (a view, as DeepSpeed does).
-                out["fp32"].append(fp32[: size - padding] if self.flavour == ZERO12 else fp32)
-                out["paddings"].append(padding)
-                entry = dict(group["scalars"])
-                entry.update({kind: partitions[kind][r] for kind in group["state_kinds"]})
-                out["state"][g] = entry
-                out["param_groups"].append({**group["hyper"], "params": [g]})
-                out["mappings"].append(self.slice_mappings(names, lo, hi))
+            for ranks, names in self.partition_sets(group["params"]):
+                used = sum(self.shape(n).numel() for n in names)
+                size = flat_partition_size(used, len(ranks))
+                # Each rank's partition gets its own zero-filled buffer (the tail padding), and every
+                # parameter is copied straight into the ranks it overlaps: one copy per element.
+                partitions = {
+                    kind: self.partitioned(names, kind, size, g, ranks)
+                    for kind in [FP32, *group["state_kinds"]]
+                }
+                for k, r in enumerate(ranks):
+                    out = per_rank[r]
+                    lo, hi = k * size, (k + 1) * size
+                    padding = size if used <= lo else (hi - used if used < hi else 0)
+                    fp32 = partitions[FP32][k]
+                    # ZeRO 1/2 save the fp32 partition without its padding (a view, as DeepSpeed does).
+                    out["fp32"].append(fp32[: size - padding] if self.flavour == ZERO12 else fp32)
+                    out["paddings"].append(padding)
+                    entry = dict(group["scalars"])
+                    entry.update({kind: partitions[kind][k] for kind in group["state_kinds"]})
+                    out["state"][g] = entry
+                    out["param_groups"].append({**group["hyper"], "params": [g]})
+                    out["mappings"].append(self.slice_mappings(names, lo, hi))
+                    out["counts"].append(len(ranks))
+                    out["alignment"].append([0] * len(names))
         files = []
         for out in per_rank:
             osd = dict(self.d["optimizer_state"])
@@ -271,8 +291,8 @@ class Writer:
             osd["single_partition_of_fp32_groups"] = out["fp32"]
             osd["group_paddings"] = out["paddings"]
             if self.flavour == ZERO12:
-                osd["param_alignment_paddings"] = [[0] * len(g["params"]) for g in groups]
-            osd["partition_count"] = [W] * len(groups)
+                osd["param_alignment_paddings"] = out["alignment"]
+            osd["partition_count"] = out["counts"]
             osd["param_slice_mappings"] = out["mappings"]
             files.append(osd)
         return files
@@ -280,7 +300,7 @@ class Writer:
     def slice_mappings(self, names: list[str], lo: int, hi: int) -> OrderedDict:
         numels = [self.shape(name).numel() for name in names]
         return OrderedDict(
-            (names[i], _fragment_address(count, position - lo))
+            (self.experts.local_name(names[i]), _fragment_address(count, position - lo))
             for i, _, count, position in flat_fragments(numels, lo, hi)
         )
 
@@ -323,23 +343,34 @@ class Writer:
 
     # -- files -----------------------------------------------------------------------------
 
-    def expert_files(self, module: OrderedDict) -> list[tuple[str, object, int | None]]:
+    def holding(self, ep_rank: int) -> dict:
+        """The description with its optimizer groups cut to what ``ep_rank``'s ranks hold."""
+        groups = [
+            {**group, "params": self.experts.held(group["params"], ep_rank)} for group in self.d["groups"]
+        ]
+        return {**self.d, "groups": groups}
+
+    def readers(self, ep_rank: int) -> tuple[int, ...] | None:
+        """The data-parallel ranks that read a file of ``ep_rank``'s experts (None: every one)."""
+        return tuple(self.experts.sharing(ep_rank)) if self.experts.ep_size > 1 else None
+
+    def expert_files(self, module: OrderedDict) -> list[tuple[str, object, int | tuple[int, ...] | None]]:
         """The file of every expert of every MoE layer, under its global index."""
         found = self.d.get("experts") or {"layers": []}
         return [
             (
                 experts.expert_file_name(layer, expert, self.mp_rank),
                 OrderedDict((k, module[k]) for k in keys),
-                None,
+                self.experts.readers(keys[0]) if keys else None,
             )
             for layer, described in enumerate(found["layers"])
             for expert, keys in enumerate(described["experts"])
         ]
 
-    def files(self) -> list[tuple[str, object, int | None]]:
+    def files(self) -> list[tuple[str, object, int | tuple[int, ...] | None]]:
         """Every file of this model-parallel rank: its name, its object (placeholders where
-        stored tensors go) and the data-parallel rank that reads it (None: every rank)."""
-        files: list[tuple[str, object, int | None]] = []
+        stored tensors go) and the data-parallel rank or ranks that read it (None: every rank)."""
+        files: list[tuple[str, object, int | tuple[int, ...] | None]] = []
         module = self.module()
         mp = f"mp_rank_{self.mp_rank:02d}"
         layer_files = self.model_parallel.get("layer_files") if self.model_parallel else None
@@ -379,12 +410,20 @@ class Writer:
                     (model_states_name(self.mp_rank), self.model_state(0, states_module, optimizer), None)
                 )
         else:
-            optimizer = zero0.optimizer_state(self.flavour, self.d, self.stored, self.flat)
+            # Each expert-parallel rank's optimizer holds its own experts; the model states
+            # keep rank 0's, which an MoE load never reads (it reads the expp_rank files).
+            optimizers = [
+                zero0.optimizer_state(self.flavour, self.holding(e), self.stored, self.flat)
+                for e in range(self.experts.ep_size)
+            ]
             files.append(
-                (model_states_name(self.mp_rank), self.model_state(0, states_module, optimizer), None)
+                (model_states_name(self.mp_rank), self.model_state(0, states_module, optimizers[0]), None)
             )
-            if "experts" in self.d:  # the same state again, as the expert-parallel rank's own
-                files.append((experts.optimizer_file_name(0, self.mp_rank), {"optimizer": optimizer}, None))
+            if "experts" in self.d:
+                files.extend(
+                    (experts.optimizer_file_name(e, self.mp_rank), {"optimizer": optimizer}, self.readers(e))
+                    for e, optimizer in enumerate(optimizers)
+                )
         files.extend(self.expert_files(module))
         for name, keys in layer_files or ():
             files.append((name, OrderedDict((key, module[full_name]) for key, full_name in keys), None))

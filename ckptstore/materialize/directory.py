@@ -35,6 +35,7 @@ def materialize(
     force: bool = False,
     tag: str | None = None,
     allow_pickle: bool = False,
+    ep_size: int | None = None,
 ) -> Path:
     """Write ``step`` (or the step a compose ``spec`` names) as a DeepSpeed directory at ``out``.
 
@@ -42,6 +43,7 @@ def materialize(
     unless every check passes (``outputs.check_out``: ``force`` replaces only a folder
     materialize or export wrote), and ``out`` never holds a partial checkpoint.
     """
+    from ..deepspeed import experts
     from ..deepspeed.stepfiles import write_checkpoint
 
     step, sources = compose.step_or_spec(step, spec, catalog, "materialize")
@@ -51,6 +53,9 @@ def materialize(
     description = json.loads(catalog.description(step))
     if world_size is not None:
         check_world_size(world_size, description)
+    if ep_size is not None:
+        require_int(ep_size, "ep_size", minimum=1)
+    description = experts.with_ep_size(description, ep_size, world_size or description["world_size"], step)
     out = outputs.check_out(out, force=force, store_root=getattr(objects, "root", None), verb="materialize")
     tag = f"global_step{step}" if tag is None else tag
     files = catalog.files(step)

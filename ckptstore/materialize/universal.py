@@ -23,7 +23,7 @@ without a pipeline and tensor parallelism (AutoTP, whose ``affine_map`` DeepSpee
 written as ``ds_to_universal``'s mean of them (``tensorsplit``). A state-dict entry no
 optimizer group holds (frozen, tied under another name, a buffer) gets ``fp32.pt`` alone from
 the model-states file, as ``ds_to_universal`` writes it. Refused (``UnsupportedError`` naming
-it, before anything is written): other optimizers and ZeRO 3, sub-parameters described as
+it, before anything is written): other optimizers and ZeRO 3, DeepSpeed MoE layers, sub-parameters described as
 before universal checkpoint version 0.4, a vocabulary pattern without ``original_vocab_size``.
 """
 
@@ -90,6 +90,11 @@ def check_reachable(description: dict, step: int) -> None:
         raise UnsupportedError(
             f"{what}: only ZeRO-1/2 steps (bf16's BF16_Optimizer too) are written as universal "
             f"checkpoints yet, not ZeRO {stage} ({flavour}); use ds_to_universal on its materialize"
+        )
+    if description.get("experts"):
+        raise UnsupportedError(
+            f"{what}: its DeepSpeed MoE layers have no universal form (DeepSpeed's universal checkpoints "
+            "know only AutoEP's experts); materialize --ep-size writes it for another expert-parallel size"
         )
     trainable = {
         name for m in range(parallel.size(description))
