@@ -46,7 +46,7 @@ class CommitContext:
 
     @property
     def blocks(self) -> tuple[str, ...]:
-        """The numbered blocks (``model.layers.7``), in model order."""
+        """The numbered blocks (``model.layers.7``) and the experts in them, in model order."""
         return tuple(layer for layer in self.layers if is_block(layer))
 
     @property
@@ -103,8 +103,13 @@ class Filter(Strategy):
             require_int(getattr(self, name), f"Filter({name}=...)", minimum=1 if name == "every" else 0)
 
     def select(self, context: CommitContext) -> list[str]:
-        blocks = context.blocks
-        edges = set(blocks[: self.first]) | set(blocks[len(blocks) - self.last :] if self.last else ())
+        numbers = list(
+            dict.fromkeys(block_index(layer) for layer in context.blocks)
+        )  # experts with their block
+        edge_numbers = set(numbers[: self.first]) | set(
+            numbers[len(numbers) - self.last :] if self.last else ()
+        )
+        edges = {layer for layer in context.blocks if block_index(layer) in edge_numbers}
         return [
             layer
             for layer in context.layers

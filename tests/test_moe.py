@@ -223,3 +223,65 @@ def test_attach_commits_a_moe_engines_save_checkpoint_and_its_load_restores_it(t
     resumed.save_checkpoint(str(tmp_path / "resaved"))
     destroy_engine(resumed)
     assert differences(tmp_path / "resaved" / "global_step3", tmp_path / "deepspeed" / "global_step3") == []
+
+
+EXPERT = "blocks.3.moe.deepspeed_moe.experts.deepspeed_experts.{}"
+
+
+def test_each_expert_is_a_layer_a_commit_can_save_alone_inheriting_the_others(tmp_path):
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_moe_engine(2, "bf16")
+    train(engine, DATA[:3])
+    store.commit(engine, step=3)
+    train(engine, DATA[3:4])
+    report = store.commit(engine, step=4, layers=[EXPERT.format(2)])
+    engine.save_checkpoint(str(tmp_path / "deepspeed"))
+    destroy_engine(engine)
+
+    assert report.layers_saved == [EXPERT.format(2)]
+    sources = store.sources(4)
+    assert {layer: sources[layer] for layer in ("blocks.3", EXPERT.format(1), EXPERT.format(2))} == {
+        "blocks.3": 3,
+        EXPERT.format(1): 3,
+        EXPERT.format(2): 4,
+    }
+    store.materialize(4, tmp_path / "composite")
+    store.materialize(3, tmp_path / "step3")
+    own, composite = tmp_path / "deepspeed" / "global_step4", tmp_path / "composite" / "global_step4"
+    expert_file = "layer_1_expert_{}_mp_rank_00_model_states.pt"
+    assert (
+        tensors_of(composite / expert_file.format(2)).keys() == tensors_of(own / expert_file.format(2)).keys()
+    )
+    assert all(
+        torch.equal(tensor, tensors_of(own / expert_file.format(2))[key])
+        for key, tensor in tensors_of(composite / expert_file.format(2)).items()
+    )
+    # a compose spec's block range takes each block with its experts
+    spec = {"state": 4, "slices": [{"layer_range": [0, 2], "step": 3}, {"layer_range": [2, 4], "step": 4}]}
+    store.materialize(spec=spec, out=tmp_path / "composed")
+    assert differences(tmp_path / "composed" / "global_step4", composite) == []
+    inherited = tmp_path / "step3" / "global_step3" / expert_file.format(1)
+    assert all(
+        torch.equal(tensor, tensors_of(inherited)[key])
+        for key, tensor in tensors_of(composite / expert_file.format(1)).items()
+    )
+
+
+def test_frozen_experts_are_stored_once_and_a_strategy_picks_the_experts_that_moved(tmp_path):
+    from ckptstore.strategies import UpdateMagnitude
+
+    store = ckptstore.open(tmp_path / "store", create=True)
+    engine = build_moe_engine(2, "bf16", frozen_experts=1)  # expert 0 of each MoE layer frozen
+    train(engine, DATA[:3])
+    first = store.commit(engine, step=3)
+    train(engine, DATA[3:5])
+    again = store.commit(engine, step=5)  # every layer saved: the frozen experts add nothing
+    train(engine, DATA[:2])
+    picked = store.commit(engine, step=6, layers=UpdateMagnitude(threshold=0.0))
+    destroy_engine(engine)
+
+    frozen = [EXPERT.format(0), "blocks.1.moe.deepspeed_moe.experts.deepspeed_experts.0"]
+    assert all(first.updates.get(layer) is None for layer in frozen)
+    assert [again.updates[layer] for layer in frozen] == [0.0, 0.0]
+    assert set(frozen) <= set(picked.layers_inherited) and EXPERT.format(2) in picked.layers_saved
+    assert again.blobs_added < first.blobs_added

@@ -163,3 +163,30 @@ def test_two_ranks_choose_the_same_layers_and_record_whole_tensor_samples(tmp_pa
         assert rank0[config]["mismatched"] == [], config
         saved = [len(run["saved"]) for run in rank0[config]["runs"]]
         assert saved[0] == 6 and min(saved[1:]) < 6, (config, saved)  # some commits were partial
+
+
+def test_block_strategies_count_an_expert_with_its_block():
+    experts = "blocks.{}.moe.deepspeed_moe.experts.deepspeed_experts.{}"
+    layers = ("embed", "blocks.0", "blocks.1", experts.format(1, 0), experts.format(1, 1), "blocks.2",
+              "blocks.3", experts.format(3, 0), "head")  # fmt: skip
+    context = CommitContext(
+        step=5, layers=layers, steps=(1, 2, 3, 4), sources=dict.fromkeys(layers, 4), updates={}
+    )
+    # the edge blocks 0 and 3, block 3's expert included; block 1's experts wait with block 1
+    assert Filter(first=1, last=1, every=4).select(context) == [
+        "embed",
+        "blocks.0",
+        "blocks.3",
+        experts.format(3, 0),
+        "head",
+    ]
+    # the odd blocks with their experts
+    assert Parity().select(context) == [
+        "embed",
+        "blocks.1",
+        experts.format(1, 0),
+        experts.format(1, 1),
+        "blocks.3",
+        experts.format(3, 0),
+        "head",
+    ]

@@ -87,10 +87,13 @@ def build_moe_engine(
     hidden: int = 16,
     num_layers: int = 4,
     top_k: int = 2,
+    frozen_experts: int = 0,
     **config_overrides: Any,
 ):
     """A DeepSpeed engine over ``ExpertsLM``, its optimizer groups split into dense and expert
-    groups as DeepSpeed's MoE needs (``split_params_into_different_moe_groups_for_optimizer``)."""
+    groups as DeepSpeed's MoE needs (``split_params_into_different_moe_groups_for_optimizer``);
+    each rank's first ``frozen_experts`` local experts of every MoE layer are frozen (as in
+    upcycling or expert-frozen fine-tuning)."""
     setup_single_process_env()
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -102,6 +105,10 @@ def build_moe_engine(
         model = ExpertsLM(hidden, num_layers, experts, ep_size, top_k)
     finally:
         torch.set_rng_state(rng_state)
+    for name, param in model.named_parameters():
+        local = name.split(".deepspeed_experts.")[1].split(".")[0] if ".deepspeed_experts." in name else None
+        if local is not None and int(local) < frozen_experts:
+            param.requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = split_params_into_different_moe_groups_for_optimizer(
         [{"params": trainable, "name": "dense-params"}]

@@ -29,7 +29,7 @@ import yaml
 
 from ..catalog import Catalog
 from ..errors import BadInputError, NotFoundError, require_int
-from ..layers import block_index, is_block
+from ..layers import block_index, block_of, is_block
 from ..model import DCP_DOOR, front_door
 
 Spec = str | os.PathLike | Mapping[str, Any]
@@ -120,8 +120,12 @@ def plan(spec: Spec, catalog: Catalog) -> ComposePlan:
         raise BadInputError("compose spec: 'state' (the step giving the non-tensor state) is missing")
     state = _known_step(catalog, spec["state"], "state")
     layers = catalog.sources(state)
-    blocks = {block_index(layer): layer for layer in layers if is_block(layer)}
-    if len(blocks) != sum(1 for layer in layers if is_block(layer)):
+    # a block with Mixture-of-Experts layers is several layers: the block's and its experts'
+    blocks: dict[int, list[str]] = {}
+    for layer in layers:
+        if is_block(layer):
+            blocks.setdefault(block_index(layer), []).append(layer)
+    if len({block_of(layer).rsplit(".", 1)[0] for members in blocks.values() for layer in members}) > 1:
         raise BadInputError(
             "compose spec: the model has more than one family of numbered blocks, so layer_range is ambiguous"
         )
@@ -152,7 +156,7 @@ def plan(spec: Spec, catalog: Catalog) -> ComposePlan:
                     f"compose spec: {where}.layer_range [{start}, {end}] overlaps slices[{owner[b]}] at block {b}"
                 )
             owner[b] = i
-            chosen[blocks[b]] = step
+            chosen.update((layer, step) for layer in blocks[b])
     missing = sorted(set(blocks) - set(owner))
     if missing:
         raise BadInputError(
