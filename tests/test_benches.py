@@ -189,6 +189,11 @@ _MULTI_RANK = [
         ["| commit (durable) |", "| materialize --universal from the store |"],
     ),
     (
+        "bench_moe",
+        ["--hidden", "32", "--saves", "2", "--reps", "1"],
+        ["| commit (durable), per save |", "| restore into ep_size 1"],
+    ),
+    (
         "bench_replicas",
         [*TINY, "--steps", "2", "--every", "1", "--rate", "64MB", "--endpoint", "{endpoint}"],
         ["recovery from a peer / from S3", "replica bytes sent / new pack bytes"],

@@ -189,19 +189,23 @@ def test_an_expert_parallel_size_for_a_step_without_experts_is_refused(tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def test_an_expert_parallel_step_verifies_and_gives_every_expert_by_global_index(two_ranks, tmp_path):
+def test_an_expert_parallel_step_verifies_and_exports_every_expert_by_global_index(two_ranks, tmp_path):
+    from safetensors.torch import load_file
+
     root, _ = two_ranks
-    config = root / "ep2" / "zero2-fp32"
+    config = root / "ep2" / "zero2-bf16"
     store = ckptstore.open(config / "store")
     assert store.verify().ok
-    weights = store.state_dict(3)
+    report = store.export(3, tmp_path / "exported")
+    exported = {}
+    for name in report.weight_files:
+        exported.update(load_file(tmp_path / "exported" / name))
     own = config / "deepspeed" / "global_step3"
     for layer in (0, 1):
         for expert in range(4):  # experts 2 and 3 were rank 1's local 0 and 1
             saved = torch.load(own / f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt")
-            assert saved and all(torch.equal(weights[key], tensor) for key, tensor in saved.items())
-    exported = store.export(3, tmp_path / "exported")
-    assert exported.tensors == len(weights)
+            assert saved and all(torch.equal(exported[key], tensor) for key, tensor in saved.items())
+    assert len(exported) == report.tensors == len(store.state_dict(3))
 
 
 def test_attach_commits_a_moe_engines_save_checkpoint_and_its_load_restores_it(tmp_path):
@@ -285,3 +289,11 @@ def test_frozen_experts_are_stored_once_and_a_strategy_picks_the_experts_that_mo
     assert [again.updates[layer] for layer in frozen] == [0.0, 0.0]
     assert set(frozen) <= set(picked.layers_inherited) and EXPERT.format(2) in picked.layers_saved
     assert again.blobs_added < first.blobs_added
+
+    # the frozen experts saved again add nothing (the store's own figure of bytes added)
+    engine = build_moe_engine(2, "bf16", frozen_experts=1)
+    store.restore(engine, 6)
+    train(engine, DATA[:1])
+    assert store.commit(engine, step=7, layers=frozen).bytes_added == 0
+    destroy_engine(engine)
+    assert store.verify().ok
