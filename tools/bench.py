@@ -130,10 +130,25 @@ class PeakRss:
             self.peaks[phase] = max(self.peaks.get(phase, 0), peak[0] - base)
 
 
-def relaunch(ranks: int, argv: list[str]) -> int:
+def relaunch(ranks: int, argv: list[str], script: str = __file__) -> int:
+    """Run ``script`` (default: this bench) with ``argv`` on ``ranks`` ranks under
+    ``torch.distributed.run`` on a free port; its exit status."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), __file__, *argv]  # fmt: skip
+               str(free_port()), script, *argv]  # fmt: skip
     return subprocess.run(command).returncode
+
+
+@contextlib.contextmanager
+def shared_scratch(folder: Path | None):
+    """A temporary folder (under ``folder``) that rank 0 makes and every rank of the job works
+    in; rank 0 removes it once every rank has left the block."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        shared = [Path(scratch) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        yield shared[0]
+        dist.barrier()  # no rank may still read the folder when rank 0 removes it
 
 
 def main(argv: list[str] | None = None) -> int:

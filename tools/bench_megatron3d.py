@@ -22,16 +22,14 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench import barrier_timed, dir_bytes, fsync_tree  # noqa: E402
+from tools.bench import barrier_timed, dir_bytes, fsync_tree, relaunch, shared_scratch  # noqa: E402
 from tools.bench_model_parallel import print_commit_rows, to_universal  # noqa: E402
-from tools.engines import destroy_engine, free_port  # noqa: E402
+from tools.engines import destroy_engine  # noqa: E402
 from tools.megatron_gpt import Dims, batches, build_engine, train  # noqa: E402
 
 RANKS = 4
@@ -71,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-                   "--master_port", str(free_port()), __file__, *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
-        return subprocess.run(command).returncode
+        return relaunch(RANKS, sys.argv[1:] if argv is None else argv, __file__)
     import deepspeed
     import torch.distributed as dist
 
@@ -84,10 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     model = {"num_layers": args.layers, "dims": dims}
     data = batches(8, vocab=args.vocab)  # 4 optimizer steps of 2 micro-batches
     rank0 = dist.get_rank() == 0
-    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        shared = [Path(scratch) if rank0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        work = shared[0]
+    with shared_scratch(args.dir) as work:
         engine = build_engine(2, 2, 1, **model)
         train(engine, data)
         params = sum(p.numel() for p in engine.module.parameters())
@@ -137,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"| materialize --universal from the store | {universal:.2f} | {universal / convert:.2f}x |"
             )
-        dist.barrier()  # no rank may still read the scratch folder when rank 0 removes it
     dist.destroy_process_group()
     return 0
 

@@ -20,20 +20,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench import barrier_timed, dir_bytes, fsync_tree  # noqa: E402
+from tools.bench import barrier_timed, dir_bytes, fsync_tree, relaunch, shared_scratch  # noqa: E402
 from tools.engines import (  # noqa: E402
     batches,
     build_autotp_engine,
     build_pipeline_engine,
     destroy_engine,
-    free_port,
     train,
     train_pipeline,
 )
@@ -96,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), __file__, *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
-        return subprocess.run(command).returncode
+        return relaunch(2, sys.argv[1:] if argv is None else argv, __file__)
     import deepspeed
     import torch.distributed as dist
 
@@ -112,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     model = {**split["model"], **{k: v for k, v in given.items() if v is not None}, "dtype": "bf16"}
     # 4 optimizer steps past the first (lr 0 in WarmupLR); a pipeline takes 2 micro-batches a step
     data = batches(8 if args.split == "pipeline" else 4, vocab=model["vocab"])
-    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        work = Path(scratch) if dist.get_rank() == 0 else None
-        shared = [work]
-        dist.broadcast_object_list(shared, src=0)
-        work = shared[0]
+    with shared_scratch(args.dir) as work:
         engine = build(2, **model)
         train_some(engine, data)
         params = sum(p.numel() for p in engine.module.parameters())
@@ -155,7 +146,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"(second copy: {universal_bytes / 2**20:.0f} MiB) | {uc:.2f} | 1.00x |")  # fmt: skip
             print(f"| restore into 1 way (resharded at read time, no copy) | {seconds_restore:.2f} "
                   f"| {seconds_restore / uc:.2f}x |")  # fmt: skip
-        dist.barrier()  # no rank may still read the scratch folder when rank 0 removes it
     dist.destroy_process_group()
     return 0
 

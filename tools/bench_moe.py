@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.bench import barrier_timed, dir_bytes, fsync_tree  # noqa: E402
-from tools.engines import batches, destroy_engine, free_port, train  # noqa: E402
+from tools.bench import barrier_timed, dir_bytes, fsync_tree, relaunch, shared_scratch  # noqa: E402
+from tools.engines import batches, destroy_engine, train  # noqa: E402
 from tools.moe_engines import VOCAB, build_moe_engine  # noqa: E402
 
 STEPS_BETWEEN_SAVES = 2
@@ -49,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), __file__, *(sys.argv[1:] if argv is None else argv)]  # fmt: skip
-        return subprocess.run(command).returncode
+        return relaunch(2, sys.argv[1:] if argv is None else argv, __file__)
     import deepspeed
     import torch.distributed as dist
 
@@ -62,11 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     model = {"hidden": args.hidden, "experts": args.experts, "ep_size": 2}
     rank0 = dist.get_rank() == 0
     data = batches(STEPS_BETWEEN_SAVES * args.saves, vocab=VOCAB, seq=32)
-    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        shared = [Path(scratch) if rank0 else None]
-        dist.broadcast_object_list(shared, src=0)
-        work = shared[0]
-
+    with shared_scratch(args.dir) as work:
         # Every save: DeepSpeed's directory, a full commit, and a commit of what moved.
         engine = build_moe_engine(2, "bf16", **model)
         params = sum(p.numel() for p in engine.module.parameters())
@@ -135,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| restore (same layout) | {restore:.2f} | {restore / load:.2f}x |")
             print(f"| restore into ep_size 1 (resharded; DeepSpeed's load cannot) | {reshard:.2f} "
                   f"| {reshard / load:.2f}x |")  # fmt: skip
-        dist.barrier()  # no rank may still read the scratch folder when rank 0 removes it
     dist.destroy_process_group()
     return 0
 
