@@ -185,3 +185,32 @@ def test_report_reads_no_pack_and_says_verify_is_the_check(store, tmp_path, run)
     result = run("--store", copy, "report", "--json")
     assert result.returncode == 0 and json.loads(result.stdout) == store.report().as_json()
     assert "verify" in " ".join(run("report", "--help").stdout.split())
+
+
+def test_past_eighty_layers_the_experts_of_each_moe_layer_share_one_heatmap_row():
+    from ckptstore.report.figures import Figures
+
+    experts = [
+        f"blocks.{b}.moe.deepspeed_moe.experts.deepspeed_experts.{e}" for b in (1, 3) for e in range(64)
+    ]
+    layers = ["embed", "blocks.0", "blocks.1", *experts[:64], "blocks.2", "blocks.3", *experts[64:], "head"]
+    updates = [[0.5 if layer.endswith(".7") else 0.1 if "experts" in layer else None for layer in layers]]
+    saved = [[layer.endswith(".7") for layer in layers]]
+    figures = Figures([4], layers, updates, saved, [1], [1], [1], [1], None, [None], [None])
+
+    labels, rows, marks = charts.heatmap_rows(figures)
+    group = "blocks.{}.moe.deepspeed_moe.experts.deepspeed_experts.* (64 experts, largest update)"
+    assert labels == [
+        "embed",
+        "blocks.0",
+        "blocks.1",
+        group.format(1),
+        "blocks.2",
+        "blocks.3",
+        group.format(3),
+        "head",
+    ]
+    assert rows[3] == rows[6] == [0.5] and marks[3] == marks[6] == [True]
+    assert rows[0] == [None] and marks[0] == [False]
+    # a few experts keep a row each
+    assert charts.heatmap_rows(figures, limit=len(layers))[0] == layers

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from ..errors import UnsupportedError
+from ..layers import EXPERTS
 from .figures import Figures
 
 CHARTS = {
@@ -58,26 +59,64 @@ def draw(figures: Figures, folder: Path) -> list[Path]:
 
 def _size(name: str, figures: Figures) -> tuple[float, float]:
     if name == "updates.png":
-        return (min(4 + 0.35 * len(figures.steps), 24), min(2 + 0.3 * len(figures.layers), 30))
+        return (min(4 + 0.35 * len(figures.steps), 24), min(2 + 0.3 * len(heatmap_rows(figures)[0]), 30))
     return (min(4 + 0.35 * len(figures.steps), 24), 4.0)
+
+
+# Past this many layers, the experts of each MoE layer share one row of the heatmap.
+MAX_ROWS = 80
+
+
+def heatmap_rows(
+    figures: Figures, limit: int = MAX_ROWS
+) -> tuple[list[str], list[list[float | None]], list[list[bool]]]:
+    """The heatmap's rows: ``(labels, updates, saved)``, a row per layer and a column per step.
+    Past ``limit`` layers, the experts of each MoE layer (``...deepspeed_experts.N``) become
+    one row: their largest update at each step, saved where any of them was."""
+    steps = range(len(figures.steps))
+    if len(figures.layers) <= limit:
+        return (
+            list(figures.layers),
+            [[figures.updates[i][j] for i in steps] for j in range(len(figures.layers))],
+            [[figures.saved[i][j] for i in steps] for j in range(len(figures.layers))],
+        )
+    labels: list[str] = []
+    groups: dict[str, list[int]] = {}
+    for j, layer in enumerate(figures.layers):
+        owner, _, index = layer.rpartition(".")
+        key = f"{owner}.*" if owner.endswith(EXPERTS) and index.isdigit() else layer
+        if key not in groups:
+            labels.append(key)
+        groups.setdefault(key, []).append(j)
+    updates, saved = [], []
+    for key in labels:
+        members = groups[key]
+        measured = [
+            [figures.updates[i][j] for j in members if figures.updates[i][j] is not None] for i in steps
+        ]
+        updates.append([max(values, default=None) for values in measured])
+        saved.append([any(figures.saved[i][j] for j in members) for i in steps])
+    named = [
+        f"{key} ({len(groups[key])} experts, largest update)" if key.endswith(".*") else key for key in labels
+    ]
+    return named, updates, saved
 
 
 def _updates(chart, figures: Figures) -> None:
     import numpy as np
 
+    labels, updates, saved = heatmap_rows(figures)
     axes = chart.add_subplot()
-    grid = np.array(
-        [[np.nan if value is None else value for value in row] for row in figures.updates], dtype=float
-    ).T
+    grid = np.array([[np.nan if value is None else value for value in row] for row in updates], dtype=float)
     image = axes.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
     chart.colorbar(image, ax=axes, label="relative update ||w - w_prev|| / ||w_prev||")
-    rows, columns = np.nonzero(np.array(figures.saved, dtype=bool).T)
+    rows, columns = np.nonzero(np.array(saved, dtype=bool))
     # Red shows on every colour of the map and on the blank of a step with no measure.
     axes.scatter(columns, rows, marker="x", color="#e8322a", s=22, linewidths=1.2)
     axes.set_xticks(range(len(figures.steps)), [str(step) for step in figures.steps], rotation=90)
     # Layer names come from the store, as written: `$...$` in one is no formula to typeset
     # (matplotlib's mathtext raises ValueError on `$\frac{$`).
-    axes.set_yticks(range(len(figures.layers)), figures.layers, fontsize=7, parse_math=False)
+    axes.set_yticks(range(len(labels)), labels, fontsize=7, parse_math=False)
     axes.set_xlabel("step")
     axes.set_title(CHARTS["updates.png"])
 
