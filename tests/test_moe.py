@@ -168,6 +168,7 @@ def test_expert_parallel_sizes_that_do_not_fit_are_refused_before_anything_is_wr
             "4 experts of the MoE layer blocks.1.moe cannot be split over 3",
         ),
         (["--ep-size", "2", "--world-size", "1"], 2, "expert parallelism 2 does not divide the 1 ranks"),
+        (["--world-size", "3"], 2, "expert parallelism 2 does not divide the 3 ranks"),
         (["--universal"], 6, "MoE layers have no universal form"),
     ]:
         result = run("--store", store, "materialize", "--step", "3", *args, out)

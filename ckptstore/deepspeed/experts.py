@@ -217,15 +217,17 @@ def _experts_path(module: str) -> str:
 def with_ep_size(description: dict, ep_size: int | None, world_size: int, step: int) -> dict:
     """``description`` of ``step`` laid out for ``ep_size`` expert-parallel ranks of
     ``world_size`` (None: as committed); the experts of a step are the same whatever the
-    degree, only who holds which changes. BadInputError for a step without experts, or a
-    degree that does not divide the ranks and every layer's experts."""
-    if ep_size is None:
-        return description
+    degree, only who holds which changes. BadInputError for an ``ep_size`` of a step without
+    experts, or a degree that does not divide the ranks and every layer's experts."""
     if "experts" not in description:
+        if ep_size is None:
+            return description
         raise BadInputError(
             f"step {step} has no Mixture-of-Experts layer: an expert-parallel size does not apply"
         )
-    laid_out = {**description, "experts": {**description["experts"], "ep_size": ep_size}}
+    laid_out = description
+    if ep_size is not None:
+        laid_out = {**description, "experts": {**description["experts"], "ep_size": ep_size}}
     try:
         ExpertLayout(laid_out, world_size)
     except UnsupportedError as error:
