@@ -284,6 +284,11 @@ class ExpertLayout:
         # global key -> (its expert-parallel rank, the key under its local index there)
         self._owners: dict[str, tuple[int, str]] = {}
         for layer in found["layers"]:
+            count = layer.get("num_experts")
+            if not isinstance(count, int) or count < 1 or len(layer.get("experts") or ()) != count:
+                raise CorruptError(
+                    f"the step describes the MoE layer {clip(str(layer.get('module')), 120)} wrongly"
+                )
             if layer["num_experts"] % ep_size:
                 raise UnsupportedError(
                     f"the {layer['num_experts']} experts of the MoE layer {clip(layer['module'], 120)} "
@@ -319,4 +324,13 @@ class ExpertLayout:
 
     def readers(self, key: str) -> tuple[int, ...] | None:
         """The data-parallel ranks that read the expert file holding ``key`` (None: every one)."""
-        return tuple(self.sharing(self._owners[key][0])) if self.ep_size > 1 else None
+        return self.readers_of(self._owners[key][0])
+
+    def readers_of(self, ep_rank: int) -> tuple[int, ...] | None:
+        """The data-parallel ranks that read a file of ``ep_rank``'s experts (None: every one)."""
+        return tuple(self.sharing(ep_rank)) if self.ep_size > 1 else None
+
+    def holding(self, description: dict, ep_rank: int) -> dict:
+        """``description`` with its optimizer groups cut to what ``ep_rank``'s ranks hold."""
+        groups = [{**group, "params": self.held(group["params"], ep_rank)} for group in description["groups"]]
+        return {**description, "groups": groups}

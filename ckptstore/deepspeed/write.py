@@ -23,7 +23,7 @@ from ..errors import CorruptError
 from ..format import plainstate
 from ..format.codec import DTYPES
 from ..model import BUFFER, FP32, WEIGHT
-from . import experts, zero0
+from . import experts, zero0, zero3
 from .fill import MODULE, Placeholders, Segment, TensorSource, stored_tensor
 from .layout import (
     BASIC,
@@ -85,33 +85,7 @@ class Writer:
         # ``(MODULE, name)`` -> the parameter itself, put in the module state dict unread.
         self.into = into or {}
         if self.flavour == ZERO3 and world_size != self.d["world_size"]:
-            self._resplit_zero3_subgroups()
-
-    def _resplit_zero3_subgroups(self) -> None:
-        # ZeRO-3 closes a sub-group once its per-rank partition numel reaches sub_group_size
-        # (DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups), so the cut depends on W.
-        config = self.d["model_state"].get("ds_config")
-        zero_config = config.get("zero_optimization", {}) if isinstance(config, dict) else {}
-        sub_group_size = int(zero_config.get("sub_group_size", 1_000_000_000))
-        for group in self.d["groups"]:
-            names = group["params"]
-            sizes = [zero3_slice(self.shape(n).numel(), self.world_size) for n in names]
-            if sub_group_size >= sum(sizes):
-                subgroups = [names] if names else []
-            else:
-                subgroups, current, filled = [], [], 0
-                for name, size in zip(names, sizes, strict=True):
-                    current.append(name)
-                    filled += size
-                    if filled >= sub_group_size or name == names[-1]:
-                        subgroups.append(current)
-                        current, filled = [], 0
-            # All sub-groups of a param group step together; any one's counters stand for all.
-            scalars = group["subgroup_scalars"][0] if group["subgroup_scalars"] else {}
-            kinds = group["subgroup_kinds"][0] if group["subgroup_kinds"] else []
-            group["subgroups"] = subgroups
-            group["subgroup_scalars"] = [scalars] * len(subgroups)
-            group["subgroup_kinds"] = [kinds] * len(subgroups)
+            zero3.resplit_subgroups(self)
 
     def dtype(self, name: str, kind: str) -> torch.dtype:
         dtype = self._tensors.dtype(name, kind)
@@ -304,55 +278,7 @@ class Writer:
             for i, _, count, position in flat_fragments(numels, lo, hi)
         )
 
-    def zero3_files(self) -> list[dict]:
-        W = self.world_size
-        per_rank: list[dict] = [{"state": {}, "param_groups": [], "fp32": []} for _ in range(W)]
-        index = 0
-        for group in self.d["groups"]:
-            indices = []
-            for names, scalars, kinds in zip(
-                group["subgroups"], group["subgroup_scalars"], group["subgroup_kinds"], strict=True
-            ):
-                numels = [self.shape(name).numel() for name in names]
-                parts = [zero3_slice(numel, W) for numel in numels]
-                for r, out in enumerate(per_rank):
-                    # rank r holds slice r of every parameter, each padded to ceil(numel / W)
-                    flat = {}
-                    for kind in [FP32, *kinds]:
-                        flat[kind] = self.holes.new(
-                            sum(parts), self.group_dtype(names, kind), reuse=self.into.get((kind, index, r))
-                        )
-                        offset = 0
-                        for name, numel, part in zip(names, numels, parts, strict=True):
-                            self.place(flat[kind], name, kind, *zero3_bounds(numel, W, r), offset)
-                            offset += part
-                    out["fp32"].append(flat[FP32])
-                    out["state"][index] = {**scalars, **{kind: flat[kind] for kind in kinds}}
-                indices.append(index)
-                index += 1
-            for out in per_rank:
-                out["param_groups"].append({**group["hyper"], "params": indices})
-        files = []
-        for out in per_rank:
-            osd = dict(self.d["optimizer_state"])
-            osd["partition_count"] = W
-            osd["optimizer_state_dict"] = {"state": out["state"], "param_groups": out["param_groups"]}
-            osd["fp32_flat_groups"] = out["fp32"]
-            files.append(osd)
-        return files
-
     # -- files -----------------------------------------------------------------------------
-
-    def holding(self, ep_rank: int) -> dict:
-        """The description with its optimizer groups cut to what ``ep_rank``'s ranks hold."""
-        groups = [
-            {**group, "params": self.experts.held(group["params"], ep_rank)} for group in self.d["groups"]
-        ]
-        return {**self.d, "groups": groups}
-
-    def readers(self, ep_rank: int) -> tuple[int, ...] | None:
-        """The data-parallel ranks that read a file of ``ep_rank``'s experts (None: every one)."""
-        return tuple(self.experts.sharing(ep_rank)) if self.experts.ep_size > 1 else None
 
     def expert_files(self, module: OrderedDict) -> list[tuple[str, object, int | tuple[int, ...] | None]]:
         """The file of every expert of every MoE layer, under its global index."""
@@ -386,7 +312,7 @@ class Writer:
         ds_version = self.d["model_state"].get("ds_version")
         prefix = "bf16_" if self.d["bf16"] else ""
         if self.flavour in (ZERO12, BF16_OPTIMIZER, ZERO3):
-            optim_files = self.zero3_files() if self.flavour == ZERO3 else self.zero12_files()
+            optim_files = zero3.optimizer_files(self) if self.flavour == ZERO3 else self.zero12_files()
             for r, osd in enumerate(optim_files):
                 files.append((
                     f"{prefix}zero_pp_rank_{r}_{mp}_optim_states.pt",
@@ -413,7 +339,7 @@ class Writer:
             # Each expert-parallel rank's optimizer holds its own experts; the model states
             # keep rank 0's, which an MoE load never reads (it reads the expp_rank files).
             optimizers = [
-                zero0.optimizer_state(self.flavour, self.holding(e), self.stored, self.flat)
+                zero0.optimizer_state(self.flavour, self.experts.holding(self.d, e), self.stored, self.flat)
                 for e in range(self.experts.ep_size)
             ]
             files.append(
@@ -421,7 +347,11 @@ class Writer:
             )
             if "experts" in self.d:
                 files.extend(
-                    (experts.optimizer_file_name(e, self.mp_rank), {"optimizer": optimizer}, self.readers(e))
+                    (
+                        experts.optimizer_file_name(e, self.mp_rank),
+                        {"optimizer": optimizer},
+                        self.experts.readers_of(e),
+                    )
                     for e, optimizer in enumerate(optimizers)
                 )
         files.extend(self.expert_files(module))
