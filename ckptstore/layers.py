@@ -4,16 +4,19 @@ A layer is a numbered block (``model.layers.7``: the module path up to and inclu
 numeric index) or, for anything outside numbered blocks, its parent module (``model.embed_tokens``,
 ``model.norm``, ``lm_head``). An expert of a block's Mixture-of-Experts layer is a layer of its
 own, inside its block (``blocks.3.moe.deepspeed_moe.experts.deepspeed_experts.5``: DeepSpeed's
-MoE layer names its experts so, by global index in a step), so each expert is saved, inherited,
-measured and shown on its own. Layers are the unit a commit saves or inherits.
+MoE layer names its experts so, by global index in a step; ``model.layers.3.mlp.experts.5``: a
+Hugging Face model's fused experts, stored a piece per expert, see ``fused_experts``, or its
+per-expert modules), so each expert is saved, inherited, measured and shown on its own. Layers
+are the unit a commit saves or inherits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-# The module list under which DeepSpeed's MoE layer (deepspeed.moe.layer.MoE) keeps its experts.
-EXPERTS = "deepspeed_experts"
+# The module lists under which MoE layers keep their experts: DeepSpeed's MoE layer
+# (deepspeed.moe.layer.MoE), and Hugging Face models (``mlp.experts``, fused or one module each).
+EXPERTS = ("deepspeed_experts", "experts")
 
 
 def _numbers(parts: list[str]) -> list[int]:
@@ -27,7 +30,7 @@ def layer_of(name: str) -> str:
     if not numbers:
         return ".".join(parts[:-1]) or name
     first = numbers[0]
-    expert = next((i for i in numbers[1:] if parts[i - 1] == EXPERTS), None)
+    expert = next((i for i in numbers[1:] if parts[i - 1] in EXPERTS), None)
     return ".".join(parts[: (first if expert is None else expert) + 1])
 
 
@@ -35,7 +38,7 @@ def block_of(layer: str) -> str | None:
     """The numbered block ``layer`` is or lies in (an expert's block), None for auxiliary layers."""
     parts = layer.split(".")
     numbers = _numbers(parts)
-    if not numbers or (numbers[0] > 0 and parts[numbers[0] - 1] == EXPERTS):
+    if not numbers or (numbers[0] > 0 and parts[numbers[0] - 1] in EXPERTS):
         return None  # (an expert of a MoE layer outside numbered blocks is an auxiliary layer)
     return ".".join(parts[: numbers[0] + 1])
 

@@ -130,8 +130,8 @@ def description_problem(description: object) -> str | None:
     vocabulary's rows that are no padding: at most its rows), its ``split`` (an ``int`` dim
     within its shape, sizes of at least one slice, non-negative, adding up to that dim; its
     ``sub``, where it has one, a list per sub-parameter of a width per slice, the widths on
-    each slice adding up to its size) and
-    ``model_parallel`` (its degree, each rank's part numbered in order with a slice that
+    each slice adding up to its size), its ``experts`` (``fused_experts``: a split of an
+    unsplit parameter's rows into slices of at least one) and ``model_parallel`` (its degree, each rank's part numbered in order with a slice that
     every split parameter it holds has, layer files that are plain file names). Checked as a
     manifest is decoded, so a bad value is a corrupt step rather than an error deep in a read."""
     if not isinstance(description, dict):
@@ -144,6 +144,8 @@ def description_problem(description: object) -> str | None:
         shape = info.get("shape") if isinstance(info, dict) else None
         if rows is not None and not (_count(rows) and isinstance(shape, list) and shape and rows <= shape[0]):
             return f"parameter {name!r} has an original_vocab_size {rows!r:.20} beyond its rows"
+        if isinstance(info, dict) and "experts" in info and (problem := _experts_problem(info)) is not None:
+            return f"parameter {name!r} {problem}"
         split = info.get("split") if isinstance(info, dict) else None
         if split is None:
             continue
@@ -185,6 +187,22 @@ def description_problem(description: object) -> str | None:
             return f"model-parallel rank {index} holds parameters the step does not describe"
         if (problem := _part_problem(part, degree, index, held, slices)) is not None:
             return problem
+    return None
+
+
+def _experts_problem(info: dict) -> str | None:
+    """What is wrong with a fused expert parameter's ``experts`` (``fused_experts``): a split
+    along dimension 0 of an unsplit parameter into slices of at least one row."""
+    experts, shape = info["experts"], info.get("shape")
+    if not isinstance(shape, list) or not shape or not all(_count(d) for d in shape) or "split" in info:
+        return "has experts but no valid shape, or a tensor-parallel split as well"
+    sizes = experts.get("sizes") if isinstance(experts, dict) else None
+    if (
+        not isinstance(experts, dict) or set(experts) != {"dim", "sizes"} or experts["dim"] != 0
+        or type(experts["dim"]) is not int or not isinstance(sizes, list) or not sizes
+        or not all(_count(s) and s > 0 for s in sizes) or sum(sizes) != shape[0]
+    ):  # fmt: skip
+        return f"of shape {shape} has experts that are no slices of its rows ({experts!r:.80})"
     return None
 
 

@@ -9,6 +9,7 @@ MODE may name several modes, comma-separated (tests/dist_worker.py's ``run_modes
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,13 +19,15 @@ import torch  # noqa: E402
 from tests.dist_worker import run_modes  # noqa: E402
 from tests.model_parallel_worker import barrier, differences, rank  # noqa: E402
 from tools.engines import batches, destroy_engine, train  # noqa: E402
-from tools.moe_engines import VOCAB, build_moe_engine  # noqa: E402
+from tools.moe_engines import VOCAB, build_mixtral_engine, build_moe_engine  # noqa: E402
 
 DATA = batches(6, vocab=VOCAB)
 # (ZeRO stage, dtype) of the steps each layout commits; the reshards take some of them.
 SAME_LAYOUT = {2: [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")],
                1: [(0, "bf16"), (1, "fp32"), (2, "bf16")]}  # fmt: skip
 RESHARDED = [(0, "bf16"), (2, "bf16")]
+# A Hugging Face model with fused experts under plain ZeRO: each rank's partition cuts experts.
+FUSED = [(2, "bf16"), (3, "bf16")]
 
 
 def train_seeded(engine, data) -> list[float]:
@@ -101,17 +104,41 @@ def unlike(ours: dict, theirs: dict) -> list[str]:
     ]
 
 
-def same_layout(here: Path, ep_size: int) -> dict:
-    """At each configuration: commit step 3 (and DeepSpeed's own save of it), materialize it,
+def resume_three_ways(store, build, root: Path, own: Path, rollback=DATA[3:]) -> dict:
+    """Step 3 resumed by engines ``build(seed=)`` builds from DeepSpeed's own save
+    (``root/deepspeed``), from the materialized directory (``root/materialized``) and by
+    ``restore`` into an engine that trained on ``rollback`` first; each saved again at once and
+    compared with DeepSpeed's save ``own`` (``{how}_resaved``: the differences), then trained
+    on (``{how}_losses``)."""
+    run = {}
+    for seed, how in enumerate(("deepspeed", "materialized", "restored"), start=41):
+        resumed = build(seed=seed)
+        if how == "restored":
+            train(resumed, rollback)
+            run["restored_step"] = store.restore(resumed, 3)[0]
+        else:
+            resumed.load_checkpoint(str(root / how))
+        run[f"{how}_step"] = resumed.global_steps
+        resumed.save_checkpoint(str(root / f"{how}-resaved"))
+        barrier()
+        run[f"{how}_resaved"] = differences(root / f"{how}-resaved" / "global_step3", own)
+        run[f"{how}_losses"] = train_seeded(resumed, DATA[3:])
+        destroy_engine(resumed)
+    return run
+
+
+def same_layout(here: Path, configs: list[tuple[int, str]], build) -> dict:
+    """At each of ``configs`` (ZeRO stage, dtype), with engines ``build(stage, dtype, seed=)``
+    builds: commit step 3 (and DeepSpeed's own save of it), materialize it,
     and resume from DeepSpeed's save, the materialized directory and ``restore``; each resume
     saved again is compared with DeepSpeed's save, file by file, then trained on."""
     import ckptstore
 
     results = {}
-    for stage, dtype in SAME_LAYOUT[ep_size]:
+    for stage, dtype in configs:
         config = here / f"zero{stage}-{dtype}"
         store = ckptstore.open(config / "store", create=True)
-        engine = build_moe_engine(stage, dtype, ep_size=ep_size)
+        engine = build(stage, dtype)
         train(engine, DATA[:3])
         store.commit(engine, step=3, blocking=stage != 1)
         store.wait()
@@ -126,18 +153,7 @@ def same_layout(here: Path, ep_size: int) -> dict:
         run = {"files": sorted(p.name for p in own.iterdir()),
                "materialized": differences(config / "materialized" / "global_step3", own),
                "materialized_layout": layout_differences(config / "materialized" / "global_step3", own)}  # fmt: skip
-        for seed, how in enumerate(("deepspeed", "materialized", "restored"), start=41):
-            resumed = build_moe_engine(stage, dtype, seed=seed, ep_size=ep_size)
-            if how == "restored":
-                train(resumed, DATA[3:4])
-                run["restored_step"] = store.restore(resumed, 3)[0]
-            else:
-                resumed.load_checkpoint(str(config / how))
-            resumed.save_checkpoint(str(config / f"{how}-resaved"))
-            barrier()
-            run[f"{how}_resaved"] = differences(config / f"{how}-resaved" / "global_step3", own)
-            run[f"{how}_losses"] = train_seeded(resumed, DATA[3:])
-            destroy_engine(resumed)
+        run.update(resume_three_ways(store, partial(build, stage, dtype), config, own, rollback=DATA[3:4]))
         results[f"zero{stage}-{dtype}"] = run
     return results
 
@@ -183,8 +199,9 @@ def reshard(here: Path, committed_ep: int, into_ep: int) -> dict:
 
 
 MODES = {
-    "ep2": lambda here: same_layout(here, 2),
-    "ep1": lambda here: same_layout(here, 1),
+    "ep2": lambda here: same_layout(here, SAME_LAYOUT[2], partial(build_moe_engine, ep_size=2)),
+    "ep1": lambda here: same_layout(here, SAME_LAYOUT[1], partial(build_moe_engine, ep_size=1)),
+    "fused": lambda here: same_layout(here, FUSED, build_mixtral_engine),
     "ep2_into_ep1": lambda here: reshard(here.parent / "ep2", 2, 1),
     "ep1_into_ep2": lambda here: reshard(here.parent / "ep1", 1, 2),
 }

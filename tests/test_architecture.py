@@ -28,7 +28,7 @@ LAYERS = [
         "forked",
         "pathnames",
     },
-    {"model", "objects", "tensorsplit"},
+    {"model", "objects", "tensorsplit", "fused_experts"},
     {"format"},
     {"catalog", "deepspeed", "strategies", "auxfiles", "arguments"},
     {"commit", "materialize", "verify", "quarantine", "gc", "retention", "thin", "restore", "dcp", "tier"},

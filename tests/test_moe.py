@@ -14,10 +14,10 @@ import torch
 import ckptstore
 from ckptstore.errors import BadInputError, UnsupportedError
 from tests.model_parallel_worker import differences, tensors_of
-from tests.moe_worker import logical_state, unlike
+from tests.moe_worker import logical_state, resume_three_ways, unlike
 from tests.test_many_ranks import torchrun_modes
 from tools.engines import batches, destroy_engine, train
-from tools.moe_engines import VOCAB, build_moe_engine
+from tools.moe_engines import VOCAB, build_mixtral_engine, build_moe_engine
 
 DATA = batches(5, vocab=VOCAB)
 WORKER = Path(__file__).with_name("moe_worker.py")
@@ -26,13 +26,6 @@ WORKER = Path(__file__).with_name("moe_worker.py")
 def stored_files(root) -> list:
     """The store's objects: every file but its catalog and its lock (a commit takes the lock)."""
     return sorted(p for p in root.rglob("*") if "catalog" not in p.name and p.name != "lock")
-
-
-def train_seeded(engine, data) -> list[float]:
-    # The top-2 gate draws Gumbel noise, and a checkpoint holds no RNG state: every resume
-    # trains from the same RNG state, or no two would agree.
-    torch.manual_seed(5)
-    return train(engine, data)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -68,30 +61,21 @@ def test_a_moe_step_materializes_deepspeeds_own_files_and_resumes_as_its_own_res
 
     # Each resume saved again at once equals DeepSpeed's own save, and trains on as DeepSpeed's
     # own resume does; restore goes into an engine that trained on, as after a rollback.
-    losses, resaved = {}, {}
-    for seed, how in enumerate(("deepspeed", "materialized", "restored"), start=41):
-        resumed = build_moe_engine(stage, dtype, seed=seed)
-        if how == "restored":
-            train(resumed, DATA[3:])
-            assert store.restore(resumed, 3)[0] == 3
-        else:
-            resumed.load_checkpoint(str(tmp_path / how))
-        assert resumed.global_steps == 3
-        resumed.save_checkpoint(str(tmp_path / f"{how}-resaved"))
-        resaved[how] = differences(tmp_path / f"{how}-resaved" / "global_step3", own)
-        losses[how] = train_seeded(resumed, DATA[3:])
-        destroy_engine(resumed)
-    assert resaved == {"deepspeed": [], "materialized": [], "restored": []}
-    assert losses["materialized"] == losses["restored"] == losses["deepspeed"]
+    run = resume_three_ways(store, lambda seed: build_moe_engine(stage, dtype, seed=seed), tmp_path, own)
+    assert (
+        run["restored_step"] == run["deepspeed_step"] == run["materialized_step"] == run["restored_step"] == 3
+    )
+    assert run["deepspeed_resaved"] == run["materialized_resaved"] == run["restored_resaved"] == []
+    assert run["materialized_losses"] == run["restored_losses"] == run["deepspeed_losses"]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     """One two-rank job: steps at expert parallelism 1 (expert data parallelism) and 2, each
-    resharded into the other degree. Ep 1 first: DeepSpeed's ZeRO-0 load names its optimizer
+    resharded into the other degree, and a Hugging Face model's fused experts under ZeRO 2 and 3. Ep 1 first: DeepSpeed's ZeRO-0 load names its optimizer
     file after the largest expert group the process ever made."""
     root = tmp_path_factory.mktemp("moe")
-    modes = ["ep1", "ep1_into_ep2", "ep2", "ep2_into_ep1"]
+    modes = ["ep1", "ep1_into_ep2", "ep2", "ep2_into_ep1", "fused"]
     return root, torchrun_modes(modes, root, worker=WORKER, timeout=600)
 
 
@@ -115,6 +99,32 @@ def test_expert_parallel_steps_materialize_deepspeeds_own_files_and_resume_as_it
             # ep 2 at ZeRO 0: each expert-parallel rank's optimizer file; ep 1: one
             expp = [name for name in run["files"] if name.startswith("expp_rank_")]
             assert len(expp) == (0 if not config.startswith("zero0") else 2 if layout == "ep2" else 1), where
+
+
+def test_fused_experts_cut_by_two_ranks_partitions_materialize_and_resume_as_deepspeeds_own(
+    two_ranks, tmp_path
+):
+    root, observed = two_ranks
+    for rank, runs in enumerate(observed["fused"]):
+        assert set(runs) == {"zero2-bf16", "zero3-bf16"}
+        for config, run in runs.items():
+            where = (rank, config)
+            assert run["materialized"] == run["materialized_layout"] == [], where
+            assert run["restored_step"] == 3, where
+            assert run["deepspeed_resaved"] == run["materialized_resaved"] == run["restored_resaved"] == [], (
+                where
+            )
+            assert run["materialized_losses"] == run["restored_losses"] == run["deepspeed_losses"], where
+
+    # the two ranks' step restores into one: every expert's weights, masters and moments
+    config = root / "fused" / "zero3-bf16"
+    store = ckptstore.open(config / "store")
+    assert "model.layers.1.mlp.experts.3" in store.sources(3)
+    engine = build_mixtral_engine(3, "bf16", seed=9)
+    assert store.restore(engine, 3)[0] == 3
+    assert unlike(logical_state(engine), torch.load(config / "logical.pt")) == []
+    train(engine, DATA[3:4])
+    destroy_engine(engine)
 
 
 @pytest.mark.parametrize("reshard", ["ep2_into_ep1", "ep1_into_ep2"])

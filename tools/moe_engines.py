@@ -116,3 +116,42 @@ def build_moe_engine(
     config = ds_config(zero_stage, dtype, **config_overrides)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     return engine
+
+
+def build_mixtral_engine(
+    zero_stage: int = 2,
+    dtype: str = "bf16",
+    seed: int = 0,
+    experts: int = 4,
+    hidden: int = 16,
+    num_layers: int = 2,
+    **config_overrides: Any,
+):
+    """A DeepSpeed engine over a tiny random ``MixtralForCausalLM`` (top-2 of ``experts``): a
+    Hugging Face MoE model that holds each layer's experts fused, in ``mlp.experts.gate_up_proj``
+    [experts, 2 x intermediate, hidden] and ``mlp.experts.down_proj`` (docs/moe.md section 11),
+    under plain ZeRO."""
+    setup_single_process_env()
+    import deepspeed
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    deepspeed.init_distributed(dist_backend=None, verbose=False)
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=24, num_hidden_layers=num_layers,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=experts, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    rng_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = MixtralForCausalLM(config)
+    finally:
+        torch.set_rng_state(rng_state)
+    model.train()
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(zero_stage, dtype, **config_overrides),
+    )
+    return engine

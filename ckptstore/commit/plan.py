@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .. import strategies
+from .. import fused_experts, strategies
 from ..catalog import Catalog
 from ..errors import BadInputError, ConflictError
 from ..layers import ordered_layers
@@ -62,7 +62,7 @@ def plan_commit(
     must a commit through a local tier whose previous step this node has not read (only the
     store behind the tier has it, and a commit does not ask it: ``CommitPlan.previous`` None).
     """
-    layers = ordered_layers(key for key, role in description["module_keys"] if role != "alias")
+    layers = ordered_layers(fused_experts.piece_keys(description))
     previous = catalog.latest_step(before=step)
     if previous is not None and _out_of_reach(catalog, previous):
         return _plan_full(catalog, step, layers, description, samples, selection, previous)
@@ -70,7 +70,8 @@ def plan_commit(
     same_layers = list(sources) == layers
     if not same_layers:
         sources = {}  # another model: nothing to compare with, nothing to inherit
-    updates = stats.layer_updates(layers, sources, description["params"], samples, catalog)
+    params = fused_experts.piece_params(description["params"])  # as samples name them
+    updates = stats.layer_updates(layers, sources, params, samples, catalog)
     refusal = _inheritance_refusal(catalog, step, previous, same_layers, description)
     if refusal is not None:
         sources = {}
@@ -109,7 +110,8 @@ def _plan_full(
         f"inherited from it: commit every layer (layers=None), or let this node read step {previous} "
         "first while the store can be reached (restore from it, or call sources(step) on the store)"
     )
-    updates = stats.layer_updates(layers, {}, description["params"], samples, catalog)
+    params = fused_experts.piece_params(description["params"])  # as samples name them
+    updates = stats.layer_updates(layers, {}, params, samples, catalog)
     context = strategies.CommitContext(
         step=step,
         layers=tuple(layers),

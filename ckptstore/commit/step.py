@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import auxfiles, strategies
+from .. import auxfiles, fused_experts, strategies
 from ..catalog import Catalog, sync
 from ..errors import BadInputError, NotFoundError
 from ..format import config, layerpacks
@@ -82,7 +82,8 @@ class _RankCommit:
         # (of expert-parallel parts, the first of each expert-data-parallel group).
         sends = snapshot.rank == 0 if snapshot.sends_part is None else snapshot.sends_part
         part = snapshot.description if snapshot.combine is not None and sends else None
-        return stats.own_samples(snapshot.pieces, snapshot.description["params"]), part
+        params = fused_experts.piece_params(snapshot.description["params"])  # as pieces name them
+        return stats.own_samples(snapshot.pieces, params), part
 
     def store(
         self, sampled: list[tuple[stats.RankSamples, dict | None]], selection: strategies.Selection
@@ -92,7 +93,7 @@ class _RankCommit:
         description = snapshot.description
         if snapshot.combine is not None:
             description = snapshot.combine([part for _, part in sampled if part is not None])
-        samples = stats.merge([own for own, _ in sampled], description["params"])
+        samples = stats.merge([own for own, _ in sampled], fused_experts.piece_params(description["params"]))
         self.plan = plan = plan_commit(self.catalog, self.step, description, samples, selection)
         saved = set(plan.saved)
         pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]

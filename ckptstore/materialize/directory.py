@@ -15,7 +15,7 @@ import resource
 from collections.abc import Collection
 from pathlib import Path
 
-from .. import auxfiles
+from .. import auxfiles, fused_experts
 from ..catalog import Catalog
 from ..errors import BadInputError, CorruptError, WeightsOnlyError, require_int
 from ..model import FileRow, layers_by_source
@@ -121,10 +121,11 @@ def step_reader(
     sources: dict[str, int] | None = None,
     only: Collection[tuple[str, str]] | None = None,
     readahead: bool = False,
-) -> StepReader:
+) -> StepReader | fused_experts.ExpertJoin:
     """A lazy reader of every tensor ``step`` needs (or the layers ``sources`` maps to steps),
     or of the ``(name, kind)`` tensors in ``only``; ``readahead`` for a caller that reads every
-    one of them (``StepReader``)."""
+    one of them (``StepReader``). A fused expert parameter is served whole from its experts'
+    pieces (``fused_experts.ExpertJoin``)."""
     sources = catalog.sources(step) if sources is None else sources
     packs = [
         index
@@ -143,4 +144,11 @@ def step_reader(
             f"the catalog has no tensors for layers {', '.join(sorted(missing_layers))} of step {step}"
         )
     sizes = catalog.blob_sizes(row.blob for row in rows)
-    return StepReader(objects, description["params"], rows, sizes, step, packs, only, readahead)
+    params = description["params"]
+    joined = fused_experts.fused(params)
+    if only is not None and joined:  # a fused expert parameter is read from its experts' pieces
+        only = {*only, *((part.name, kind) for name, kind in only for part in joined.get(name, ()))}
+    reader = StepReader(
+        objects, fused_experts.piece_params(params), rows, sizes, step, packs, only, readahead
+    )
+    return fused_experts.ExpertJoin(reader, params) if joined else reader

@@ -84,7 +84,7 @@ def heatmap_rows(
     groups: dict[str, list[int]] = {}
     for j, layer in enumerate(figures.layers):
         owner, _, index = layer.rpartition(".")
-        key = f"{owner}.*" if owner.endswith(EXPERTS) and index.isdigit() else layer
+        key = f"{owner}.*" if owner.rpartition(".")[2] in EXPERTS and index.isdigit() else layer
         if key not in groups:
             labels.append(key)
         groups.setdefault(key, []).append(j)
