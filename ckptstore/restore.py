@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .arguments import check_engine, check_step
 from .catalog import Catalog
 from .commit import ranks
-from .errors import BadInputError, CkptStoreError, NotFoundError, StorageError
+from .errors import BadInputError, CkptStoreError, NotFoundError, StorageError, UnsupportedError
 from .materialize import compose
 from .materialize.directory import check_resumable, step_reader
 from .model import FP32
@@ -173,6 +173,11 @@ def _plan(
     # the engine's experts are the step's, spread over the engine's expert-parallel ranks
     description = experts.with_ep_size(description, experts.ep_size_of(engine), engine.dp_world_size, state)
     if not parallel.same_split(description, engine, f"step {state}"):
+        if "experts" in description:
+            raise UnsupportedError(
+                f"step {state} holds MoE layers and was committed by an engine split otherwise "
+                "(other pipeline stages or tensor-parallel slices); restore it into the same split"
+            )
         stored = description
         # The engine is split as the step's own universal_checkpoint_info says, if it has one.
         target = extract(engine, reshard.split_info(stored)).description

@@ -18,8 +18,13 @@ import torch  # noqa: E402
 
 from tests.dist_worker import run_modes  # noqa: E402
 from tests.model_parallel_worker import barrier, differences, rank  # noqa: E402
-from tools.engines import batches, destroy_engine, train  # noqa: E402
-from tools.moe_engines import VOCAB, build_mixtral_engine, build_moe_engine  # noqa: E402
+from tools.engines import batches, destroy_engine, train, train_pipeline  # noqa: E402
+from tools.moe_engines import (  # noqa: E402
+    VOCAB,
+    build_mixtral_engine,
+    build_moe_engine,
+    build_moe_pipeline_engine,
+)
 
 DATA = batches(6, vocab=VOCAB)
 # (ZeRO stage, dtype) of the steps each layout commits; the reshards take some of them.
@@ -28,13 +33,15 @@ SAME_LAYOUT = {2: [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32
 RESHARDED = [(0, "bf16"), (2, "bf16")]
 # A Hugging Face model with fused experts under plain ZeRO: each rank's partition cuts experts.
 FUSED = [(2, "bf16"), (3, "bf16")]
+# MoE layers inside a pipeline of 2 stages (ep 1): the configurations docs/moe.md measured.
+PIPELINE = [(1, "bf16"), (0, "fp32")]
 
 
-def train_seeded(engine, data) -> list[float]:
+def train_seeded(engine, data, fit=train) -> list[float]:
     # The top-2 gate draws Gumbel noise, and a checkpoint holds no RNG state: every resume
     # trains from the same RNG state, or no two would agree.
     torch.manual_seed(5 + rank())
-    return train(engine, data)
+    return fit(engine, data)
 
 
 def logical_state(engine) -> dict[str, torch.Tensor]:
@@ -104,17 +111,19 @@ def unlike(ours: dict, theirs: dict) -> list[str]:
     ]
 
 
-def resume_three_ways(store, build, root: Path, own: Path, rollback=DATA[3:]) -> dict:
+def resume_three_ways(
+    store, build, root: Path, own: Path, rollback=DATA[3:], fit=train, after=DATA[3:]
+) -> dict:
     """Step 3 resumed by engines ``build(seed=)`` builds from DeepSpeed's own save
     (``root/deepspeed``), from the materialized directory (``root/materialized``) and by
-    ``restore`` into an engine that trained on ``rollback`` first; each saved again at once and
-    compared with DeepSpeed's save ``own`` (``{how}_resaved``: the differences), then trained
-    on (``{how}_losses``)."""
+    ``restore`` into an engine that trained (``fit``) on ``rollback`` first; each saved again
+    at once and compared with DeepSpeed's save ``own`` (``{how}_resaved``: the differences),
+    then trained on ``after`` (``{how}_losses``)."""
     run = {}
     for seed, how in enumerate(("deepspeed", "materialized", "restored"), start=41):
         resumed = build(seed=seed)
         if how == "restored":
-            train(resumed, rollback)
+            fit(resumed, rollback)
             run["restored_step"] = store.restore(resumed, 3)[0]
         else:
             resumed.load_checkpoint(str(root / how))
@@ -122,16 +131,18 @@ def resume_three_ways(store, build, root: Path, own: Path, rollback=DATA[3:]) ->
         resumed.save_checkpoint(str(root / f"{how}-resaved"))
         barrier()
         run[f"{how}_resaved"] = differences(root / f"{how}-resaved" / "global_step3", own)
-        run[f"{how}_losses"] = train_seeded(resumed, DATA[3:])
+        run[f"{how}_losses"] = train_seeded(resumed, after, fit)
         destroy_engine(resumed)
     return run
 
 
-def same_layout(here: Path, configs: list[tuple[int, str]], build) -> dict:
+def same_layout(here: Path, configs: list[tuple[int, str]], build, fit=train, data=DATA) -> dict:
     """At each of ``configs`` (ZeRO stage, dtype), with engines ``build(stage, dtype, seed=)``
-    builds: commit step 3 (and DeepSpeed's own save of it), materialize it,
+    builds, trained by ``fit`` (3 steps: ``data[:3]``, or ``data[:6]`` for a pipeline's two
+    micro-batches a step): commit step 3 (and DeepSpeed's own save of it), materialize it,
     and resume from DeepSpeed's save, the materialized directory and ``restore``; each resume
     saved again is compared with DeepSpeed's save, file by file, then trained on."""
+    per_step = 2 if fit is train_pipeline else 1
     import ckptstore
 
     results = {}
@@ -139,7 +150,7 @@ def same_layout(here: Path, configs: list[tuple[int, str]], build) -> dict:
         config = here / f"zero{stage}-{dtype}"
         store = ckptstore.open(config / "store", create=True)
         engine = build(stage, dtype)
-        train(engine, DATA[:3])
+        fit(engine, data[: 3 * per_step])
         store.commit(engine, step=3, blocking=stage != 1)
         store.wait()
         engine.save_checkpoint(str(config / "deepspeed"))
@@ -153,7 +164,9 @@ def same_layout(here: Path, configs: list[tuple[int, str]], build) -> dict:
         run = {"files": sorted(p.name for p in own.iterdir()),
                "materialized": differences(config / "materialized" / "global_step3", own),
                "materialized_layout": layout_differences(config / "materialized" / "global_step3", own)}  # fmt: skip
-        run.update(resume_three_ways(store, partial(build, stage, dtype), config, own, rollback=DATA[3:4]))
+        build_one = partial(build, stage, dtype)
+        rollback, after = data[3 * per_step : 4 * per_step], data[3 * per_step :]
+        run.update(resume_three_ways(store, build_one, config, own, rollback, fit, after))
         results[f"zero{stage}-{dtype}"] = run
     return results
 
@@ -198,10 +211,24 @@ def reshard(here: Path, committed_ep: int, into_ep: int) -> dict:
     return results
 
 
+def pipeline_layout(here: Path) -> dict:
+    """``same_layout`` of MoE layers inside a pipeline of 2 stages. DeepSpeed keeps expert
+    groups by name for the life of the process (``ep_size_1``: here both ranks, from the modes
+    before): a pipeline engine would take them as its own and partition each stage's experts
+    over the other stage's rank as well. They are forgotten first, as in a job of its own."""
+    from deepspeed.utils import groups
+
+    for made in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                 groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):  # fmt: skip
+        made.clear()
+    return same_layout(here, PIPELINE, build_moe_pipeline_engine, train_pipeline, batches(12, vocab=VOCAB))
+
+
 MODES = {
     "ep2": lambda here: same_layout(here, SAME_LAYOUT[2], partial(build_moe_engine, ep_size=2)),
     "ep1": lambda here: same_layout(here, SAME_LAYOUT[1], partial(build_moe_engine, ep_size=1)),
     "fused": lambda here: same_layout(here, FUSED, build_mixtral_engine),
+    "pipeline": pipeline_layout,
     "ep2_into_ep1": lambda here: reshard(here.parent / "ep2", 2, 1),
     "ep1_into_ep2": lambda here: reshard(here.parent / "ep1", 1, 2),
 }

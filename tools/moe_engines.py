@@ -78,6 +78,18 @@ class ExpertsLM(torch.nn.Module):
         return SimpleNamespace(loss=loss + 0.01 * aux)
 
 
+class PipelineMoEBlock(torch.nn.Module):
+    """A pipeline layer: a residual linear block, then an MoE layer (its load-balancing loss
+    dropped: a pipeline layer passes one tensor on)."""
+
+    def __init__(self, hidden: int, experts: int, ep_size: int, top_k: int) -> None:
+        super().__init__()
+        self.block = Block(hidden, experts, ep_size, top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)[0]
+
+
 def build_moe_engine(
     zero_stage: int = 2,
     dtype: str = "bf16",
@@ -154,4 +166,50 @@ def build_mixtral_engine(
         model_parameters=model.parameters(),
         config=ds_config(zero_stage, dtype, **config_overrides),
     )
+    return engine
+
+
+def build_moe_pipeline_engine(
+    zero_stage: int = 1,
+    dtype: str = "bf16",
+    seed: int = 0,
+    experts: int = 4,
+    hidden: int = 16,
+    stages: int = 2,
+    **config_overrides: Any,
+):
+    """A DeepSpeed ``PipelineEngine`` (Megatron-DeepSpeed's GPT-MoE shape) of ``stages`` stages
+    over two dense blocks and two MoE blocks (``experts`` experts, top-2, expert parallelism 1),
+    one after the other, between the tied embedding and its transpose (2 stages: a dense and an
+    MoE block each); train it with ``tools.engines.train_pipeline``, on as many ranks as stages."""
+    setup_single_process_env()
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    from tools.engines import _tied_logits
+
+    deepspeed.init_distributed(dist_backend=None, verbose=False)
+    rng_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        blocks = [LayerSpec(PipelineMoEBlock, hidden, experts if i % 2 else 0, 1, 2) for i in range(4)]
+        layers = [
+            TiedLayerSpec("embed", torch.nn.Embedding, VOCAB, hidden, tied_weight_attr="weight"),
+            *blocks,
+            TiedLayerSpec(
+                "embed", torch.nn.Embedding, VOCAB, hidden, forward_fn=_tied_logits, tied_weight_attr="weight"
+            ),
+        ]
+        module = PipelineModule(
+            layers, num_stages=stages, loss_fn=torch.nn.CrossEntropyLoss(), partition_method="uniform"
+        )
+    finally:
+        torch.set_rng_state(rng_state)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": [p for p in module.parameters() if p.requires_grad], "name": "dense-params"}]
+    )
+    config = ds_config(zero_stage, dtype, **config_overrides)
+    config["gradient_accumulation_steps"] = 2  # micro-batches, so that the stages overlap
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=groups, config=config)
     return engine

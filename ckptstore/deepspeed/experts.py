@@ -226,6 +226,12 @@ def with_ep_size(description: dict, ep_size: int | None, world_size: int, step: 
             f"step {step} has no Mixture-of-Experts layer: an expert-parallel size does not apply"
         )
     laid_out = description
+    committed = description["experts"].get("ep_size")
+    if ep_size is not None and ep_size != committed and "ranks" in description.get("model_parallel", {}):
+        raise BadInputError(
+            f"step {step} holds MoE layers inside a pipeline, laid out at the expert-parallel size it "
+            f"was committed at ({committed}) only, not {ep_size}"
+        )
     if ep_size is not None:
         laid_out = {**description, "experts": {**description["experts"], "ep_size": ep_size}}
     try:

@@ -120,9 +120,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     expert_part, expert_ranks = found_experts if found_experts is not None else (None, None)
     rename: Callable[[str], str] = lambda name: name  # noqa: E731
     if expert_ranks is not None:
-        if pipeline or parallel.is_tensor_parallel(engine):
+        if parallel.is_tensor_parallel(engine) or (pipeline and expert_ranks.ep_size > 1):
             raise UnsupportedError(
-                "MoE layers inside a pipeline or with tensor parallelism are not supported yet"
+                "MoE layers with tensor parallelism, or inside a pipeline at an expert-parallel size "
+                f"above 1 (here {expert_ranks.ep_size}), are not supported yet"
             )
         # what DeepSpeed's MoE save adds, where it adds them (before the client state)
         model_state["num_experts"] = list(engine.num_experts)

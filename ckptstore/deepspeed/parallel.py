@@ -85,6 +85,8 @@ def pipeline_part(engine: Any, module_keys: list[str]) -> tuple[dict, set[str]]:
     rank_repr = module._grid._topo.get_rank_repr(rank=module.global_rank)
     layer_files = []
     for local_index, layer in enumerate(module.forward_funcs):
+        if getattr(engine, "has_moe_layers", False):
+            break  # DeepSpeed's MoE save puts a stage's module in its model-states file instead
         if not hasattr(layer, "state_dict"):
             continue  # a function, or a tied layer's forward_fn: DeepSpeed writes no file
         name = f"layer_{local_index + module._local_start:02d}" + (f"-{rank_repr}" if rank_repr else "")
@@ -258,9 +260,10 @@ def mark_vocabulary(params: dict[str, dict], info: dict | None) -> None:
 def combine(parts: list[dict]) -> dict:
     """The step's description from the parts of every model-parallel rank (one each, any order).
 
-    Shared settings come from the first part; parameters, module keys and aliases are the union
-    over the parts (a tied weight once); ``model_parallel.ranks`` keeps each part's own keys,
-    in model-parallel rank order. CorruptError if the parts do not make a whole."""
+    Shared settings come from the first part; parameters, module keys, aliases and MoE layers
+    are the union over the parts (a tied weight once); ``model_parallel.ranks`` keeps each
+    part's own keys (and its own MoE layers: a stage numbers its expert files), in
+    model-parallel rank order. CorruptError if the parts do not make a whole."""
     parts = sorted(parts, key=lambda part: part["model_parallel"]["rank"])
     size = parts[0]["model_parallel"]["size"]
     if [part["model_parallel"]["rank"] for part in parts] != list(range(size)):
@@ -284,11 +287,14 @@ def combine(parts: list[dict]) -> dict:
         aliases.update(part["aliases"])
     ranks = []
     for part in parts:
-        own = {key: part[key] for key in _OWN_KEYS}
+        own = {key: part[key] for key in (*_OWN_KEYS, "experts") if key in part}
         own["params"] = list(part["params"])
         ranks.append(own)
     description = {key: parts[0][key] for key in _SHARED_KEYS}
     description.update(params=params, module_keys=list(module_keys.values()), aliases=aliases)
+    if "experts" in parts[0]:  # each stage's MoE layers are its own; the step has them all
+        layers = [layer for part in parts for layer in part["experts"]["layers"]]
+        description["experts"] = {**parts[0]["experts"], "layers": layers}
     pipeline = parts[0]["model_parallel"]["pipeline"]
     description["model_parallel"] = {"size": size, "pipeline": pipeline, "ranks": ranks}
     return description
