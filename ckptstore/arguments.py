@@ -9,6 +9,7 @@ from typing import Any
 
 from . import errors, strategies
 from .errors import BadInputError, require_int
+from .model import WAIT, WHEN_BUSY
 
 #: The largest step: the catalog keeps steps as SQLite's signed 64-bit integers.
 MAX_STEP = 2**63 - 1
@@ -96,6 +97,17 @@ def check_commit(engine: Any, client_state: Any) -> None:
     check_is_engine(engine)
     if client_state is not None and not isinstance(client_state, Mapping):
         raise BadInputError(f"client_state= takes a dict, not {type(client_state).__name__}")
+
+
+def check_when_busy(when_busy: Any, blocking: bool) -> None:
+    """BadInputError unless ``commit(when_busy=...)`` is one of ``wait``, ``latest`` and
+    ``skip``, and ``wait`` for a blocking commit (which always waits for the one before)."""
+    if when_busy not in WHEN_BUSY:
+        raise BadInputError(
+            f"when_busy= takes one of {', '.join(WHEN_BUSY)}, not {errors.clip(repr(when_busy), 40)}"
+        )
+    if blocking and when_busy != WAIT:
+        raise BadInputError(f"when_busy={when_busy!r} is for non-blocking commits (blocking=False)")
 
 
 def while_open(method):

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+# What a non-blocking commit does while the previous one still runs (``commit.queue``).
+WAIT, LATEST, SKIP = "wait", "latest", "skip"
+WHEN_BUSY = (WAIT, LATEST, SKIP)
+
 # Kinds of stored tensors besides optimizer state names such as ``exp_avg``.
 FP32 = "fp32"
 WEIGHT = "weight"

@@ -17,8 +17,8 @@ import torch
 from . import auxfiles, frontdoors, strategies
 from .arguments import check_step, while_open
 from .catalog import Catalog
-from .commit.background import CommitHandle
 from .commit.engine import EngineCommits
+from .commit.queue import CommitHandle
 from .commit.step import CommitReport
 from .errors import BadInputError
 from .export.folder import DEFAULT_MAX_SHARD_SIZE, ExportReport
@@ -80,6 +80,7 @@ class Store(StoreQueries, TierVerbs):
         *,
         metrics: Mapping[str, float] | None = None,
         blocking: bool = True,
+        when_busy: str = "wait",
     ) -> CommitReport | CommitHandle:
         """Store the engine's checkpoint state as ``step``. Collective: every rank calls it.
 
@@ -105,6 +106,13 @@ class Store(StoreQueries, TierVerbs):
         commit (which then commits its own step) nor ``close()`` raises it again; else the
         first of them raises it (the next commit then records nothing of its own step).
 
+        ``when_busy`` (non-blocking commits) says what a commit does while the previous one
+        still runs: ``"wait"`` for it (the default), ``"latest"``: queue this snapshot behind
+        it, replacing one queued and not started (at most one runs and one waits, so a
+        commit every step never holds training for more than the snapshot copy), or
+        ``"skip"`` this step. A replaced or skipped step is not committed: its handle's
+        ``outcome`` says which, and ``result()`` is None. Every rank decides alike.
+
         Raises ConflictError if the step exists, BadInputError (before any work) for a step
         outside 0..2**63-1, an ``engine`` that is no DeepSpeed engine, ``layers`` that are not
         names, unknown layers, a partial first commit, unusable files or a malformed
@@ -115,7 +123,7 @@ class Store(StoreQueries, TierVerbs):
         committed (the next open lists it). Every method of a closed store raises BadInputError.
         """
         return self._commits.commit(
-            engine, step, layers, client_state, files, metrics=metrics, blocking=blocking
+            engine, step, layers, client_state, files, metrics=metrics, blocking=blocking, when_busy=when_busy
         )
 
     def wait(self) -> CommitReport | None:

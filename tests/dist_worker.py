@@ -107,6 +107,53 @@ def non_blocking(root: Path) -> dict:
     return results
 
 
+def commit_every_step(store, engine, deepspeed: Path) -> dict:
+    """Train steps 1 to 4, committing each behind training as it ends: under
+    ``when_busy="latest"``, step 4 under ``"skip"``; DeepSpeed's own save of step 3 goes to
+    ``deepspeed``. Returns each step's handle."""
+    handles = {}
+    for step in range(1, 5):
+        train(engine, DATA[step - 1 : step])
+        handles[step] = store.commit(
+            engine, step=step, blocking=False, when_busy="skip" if step == 4 else "latest"
+        )
+        if step == 3:
+            engine.save_checkpoint(str(deepspeed))
+    return handles
+
+
+def latest(root: Path) -> dict:
+    """A commit every step under ``when_busy="latest"`` (step 4: ``"skip"``) while rank 0 holds
+    the store's lock as a gc does, so that step 1's commit stays in flight on both ranks:
+    both must decide alike, commit the same steps, and step 3 must be the state at step 3."""
+    import fcntl
+
+    import ckptstore
+    from tests.model_parallel_worker import differences
+
+    store = ckptstore.open(root / "store")
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2, scheduler=False)
+    lock = open(root / "store" / "lock", "a")  # noqa: SIM115 - closed below
+    if rank() == 0:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    barrier()
+    handles = commit_every_step(store, engine, root / "deepspeed")
+    outcomes_held = [handles[step].outcome for step in range(1, 5)]
+    barrier()
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    lock.close()
+    store.wait()
+    found = {"held": outcomes_held, "outcomes": [handles[step].outcome for step in range(1, 5)]}
+    found["steps"] = store.steps()
+    if rank() == 0:
+        store.materialize(3, root / "materialized")
+        found["materialized"] = differences(
+            root / "materialized" / "global_step3", root / "deepspeed" / "global_step3"
+        )
+    store.close()
+    return found
+
+
 def composite(root: Path) -> dict:
     """Parity-style commits on 2 ranks: each layer of the composite step equals its source step."""
     import ckptstore
@@ -527,7 +574,7 @@ def main() -> None:
     deepspeed.init_distributed(verbose=False)
     mode, root, result = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     modes = {"resume": resume, "composite": composite, "commit": commit_only, "load": load_other_size,
-             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking, "export": export, "restore": restore_across_sizes, "restore_fail": restore_failing_rank, "tiered": tiered_nodes}  # fmt: skip
+             "fail": failing_rank, "files": per_rank_files, "attach": attached, "trainer": trainer, "tailor": tailor, "s3": s3_machines, "non_blocking": non_blocking, "export": export, "restore": restore_across_sizes, "restore_fail": restore_failing_rank, "tiered": tiered_nodes, "latest": latest}  # fmt: skip
     run_modes(modes, mode, root, result)
     # Single-host CPU runs can abort in atexit handlers after all work is done (DEEPSPEED_FORMAT.md §6).
     sys.stdout.flush()

@@ -50,7 +50,7 @@ def torchrun_modes(
     }
 
 
-MODES = ["resume", "non_blocking", "composite", "fail", "files", "attach", "commit", "load"]
+MODES = ["resume", "non_blocking", "latest", "composite", "fail", "files", "attach", "commit", "load"]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +77,15 @@ def test_two_rank_non_blocking_commits_resume_bit_exactly(two_ranks):
         for config, run in observed.items():
             assert run["steps"] == [1, 2, 3], config
             assert run["resumed"] == run["reference"], config
+
+
+def test_two_ranks_decide_alike_which_steps_a_commit_every_step_commits(two_ranks):
+    for observed in two_ranks[1]["latest"]:
+        # step 1 held in flight (by the store's lock): 2 queued, then replaced by 3; 4 skipped
+        assert observed["held"] == [None, "replaced", None, "skipped"]
+        assert observed["outcomes"] == ["committed", "replaced", "committed", "skipped"]
+        assert observed["steps"] == [1, 3]
+    assert two_ranks[1]["latest"][0]["materialized"] == []
 
 
 def test_two_rank_composite_steps_take_each_layer_from_its_source(two_ranks):

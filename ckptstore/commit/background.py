@@ -6,27 +6,23 @@ same shapes, so memory stays bounded by one snapshot. The copy itself runs in th
 too, overlapping the next forward and backward passes, which only read the optimizer's
 tensors: a ``SnapshotGate`` hooks the engine's optimizer so that its next ``step`` waits until
 the copy is done (the DataStates-LLM idea). Hashing, compression, uploads and recording then
-run on the same background thread; a commit waits for the previous one, and its error surfaces
-once: from ``CommitHandle.result()`` (as often as it is asked), else from the first of
-``Store.wait()``, the next commit or ``Store.close()``.
+run on a background thread (``queue.CommitQueue``: one commit at a time, and what a commit does
+when the previous one is still running).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
+import time
 import weakref
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .. import knobs
-from ..errors import CkptStoreError
 from ..model import Piece, Snapshot
 
 
@@ -94,17 +90,19 @@ def device_ready(snapshot: Snapshot) -> tuple[torch.device, Any] | None:
 
 
 class SnapshotGate:
-    """Holds an engine's optimizer step while a snapshot of its tensors is being copied.
+    """Holds an engine's optimizer step while snapshots of its tensors are being copied.
 
     Forward and backward passes only read the fp32 masters, optimizer states and module
     weights; the optimizer step is the first thing that changes them. A step pre-hook on the
-    engine's torch optimizer (DeepSpeed's wrappers all step one) waits for ``open()``.
+    engine's torch optimizer (DeepSpeed's wrappers all step one) waits until every ``close()``
+    has had its ``open()``. ``held`` adds up the seconds steps waited.
     """
 
     def __init__(self) -> None:
-        self._copied = threading.Event()
-        self._copied.set()
+        self._copying = 0
+        self._changed = threading.Condition()
         self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.held = 0.0
 
     def guard(self, engine: Any) -> bool:
         """Make ``engine``'s optimizer steps wait at this gate; False if it has no torch optimizer."""
@@ -118,19 +116,28 @@ class SnapshotGate:
         return True
 
     def _hold(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._copied.wait()
+        with self._changed:
+            if self._copying:
+                started = time.monotonic()
+                self._changed.wait_for(lambda: self._copying == 0)
+                self.held += time.monotonic() - started
 
     def close(self) -> None:
-        """Steps wait from now until ``open()``."""
-        self._copied.clear()
+        """Steps wait from now until this copy's ``open()``."""
+        with self._changed:
+            self._copying += 1
 
     def open(self) -> None:
-        """Let steps go on."""
-        self._copied.set()
+        """One copy has landed: steps go on once every copy has."""
+        with self._changed:
+            self._copying = max(self._copying - 1, 0)
+            self._changed.notify_all()
 
     def release(self) -> None:
         """Open the gate and unhook every optimizer."""
-        self.open()
+        with self._changed:
+            self._copying = 0
+            self._changed.notify_all()
         for handle in list(self._hooks.values()):
             handle.remove()
         self._hooks.clear()
@@ -159,115 +166,3 @@ def thread_niceness() -> int | None:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     except (AttributeError, OSError):
         return None
-
-
-class CommitHandle:
-    """A commit running in the background; ``result()`` waits and returns its report or raises."""
-
-    def __init__(self, step: int, future: Future) -> None:
-        self.step = step
-        self._future = future
-        self._error_delivered = False  # result() raised the commit's error to its caller
-
-    def done(self) -> bool:
-        """Whether the commit has finished (successfully or not)."""
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Wait until the step is durable and return its CommitReport; re-raises its error
-        (every time it is asked: ``Store.wait``, the next commit and ``close`` then no longer do)."""
-        try:
-            return self._future.result(timeout)
-        except BaseException:
-            if self._future.done():  # the commit's own error, not a wait that timed out
-                self._error_delivered = True
-            raise
-
-    def outcome_once(self) -> Any:
-        """Wait for the commit; its report, or its error unless ``result()`` raised it already
-        (then None): an error reaches the training loop once, wherever it was asked first."""
-        if self._error_delivered:
-            return None
-        return self.result()
-
-
-class CommitQueue:
-    """One background worker per store; at most one commit in flight."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-commit")
-        self._pending: CommitHandle | None = None
-        self._lock = threading.Lock()
-        self.buffers = SnapshotBuffers()
-        self.gate = SnapshotGate()
-        _live_queues.add(self)
-
-    def submit(self, step: int, fn) -> CommitHandle:
-        """Run ``fn`` in the background (after waiting for the previous commit)."""
-        with self._lock:
-            self.wait()
-            handle = CommitHandle(step, self._pool.submit(fn))
-            self._pending = handle
-            return handle
-
-    def submit_snapshot(
-        self, step: int, engine: Any, snapshot: Snapshot, commit: Callable[[Snapshot], Any]
-    ) -> CommitHandle:
-        """Copy ``snapshot`` (views of ``engine``'s live tensors) into host buffers in the
-        background, then run ``commit(copy)`` there too. Training goes on meanwhile; the
-        engine's next optimizer step waits until the copy has landed. Without a torch
-        optimizer to hold, the copy is taken here before returning."""
-        if not self.gate.guard(engine):
-            copy = self.buffers.copy(snapshot)
-            return self.submit(step, lambda: commit(copy))
-        ready = device_ready(snapshot)
-
-        def copy_then_commit() -> Any:
-            try:
-                copy = self.buffers.copy(snapshot, ready)
-            finally:
-                self.gate.open()  # the engine's next optimizer step may run
-            return commit(copy)
-
-        self.gate.close()
-        try:
-            return self.submit(step, copy_then_commit)
-        except BaseException:
-            self.gate.open()
-            raise
-
-    def wait(self) -> Any:
-        """Wait for the commit in flight, if any; raises its error once: not when its handle's
-        ``result()`` raised it already (``CommitHandle.outcome_once``)."""
-        handle, self._pending = self._pending, None
-        return None if handle is None else handle.outcome_once()
-
-    def close(self) -> None:
-        """Flush the commit in flight and stop the worker; raises the commit's error."""
-        try:
-            self.wait()
-        finally:
-            self._pool.shutdown(wait=True)
-            self.gate.release()
-            _live_queues.discard(self)
-
-
-_live_queues: weakref.WeakSet[CommitQueue] = weakref.WeakSet()
-
-
-def _flush_at_exit() -> None:
-    # A background commit must not be lost silently when the training script just ends.
-    for queue in list(_live_queues):
-        try:
-            queue.close()
-        except CkptStoreError as exc:
-            print(f"ckptstore: a background commit failed: {exc}", file=sys.stderr)
-        except Exception as exc:  # still say so: exit is the last chance
-            print(f"ckptstore: a background commit failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-
-
-# Registered with threading rather than atexit: at interpreter exit, concurrent.futures
-# refuses new work once its own threading-exit hook has run, and a commit still in flight
-# needs its thread pools. threading runs these hooks last-registered first, so ours, added
-# after concurrent.futures was imported, flushes while pools still work.
-threading._register_atexit(_flush_at_exit)

@@ -1,4 +1,4 @@
-"""A store's commits of DeepSpeed engines: blocking ones, and at most one behind training.
+"""A store's commits of DeepSpeed engines: blocking ones, and those behind training.
 
 ``Store.commit`` hands every call here: the engine and arguments are checked before any work,
 then the step is committed at once (``step.commit_step``) or queued (``step.submit_commit``)
@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .. import auxfiles, strategies
-from ..arguments import check_commit, check_layers, check_step
+from ..arguments import check_commit, check_layers, check_step, check_when_busy
 from ..catalog import Catalog
 from ..objects import ObjectStore
 from . import ranks
-from .background import CommitHandle, CommitQueue
+from .queue import WAIT, CommitHandle, CommitQueue
 from .step import CommitReport, commit_step, submit_commit
 
 
@@ -53,12 +53,14 @@ class EngineCommits:
         *,
         metrics: Mapping[str, float] | None,
         blocking: bool,
+        when_busy: str = WAIT,
     ) -> CommitReport | CommitHandle:
         """Commit ``engine``'s state as ``step`` (``Store.commit``'s contract)."""
         from ..deepspeed.extract import extract
 
         step = check_step(step)
         check_commit(engine, client_state)
+        check_when_busy(when_busy, blocking)
         options = dict(layers=check_layers(layers), files=files, metrics=metrics)
         take_snapshot = functools.partial(extract, engine, client_state)
         if self.tier is not None:
@@ -68,7 +70,8 @@ class EngineCommits:
             self._queue = self._queue or CommitQueue()
             return submit_commit(
                 self._queue, self.objects, self.catalog, step, engine, take_snapshot,
-                then=functools.partial(self.tier.replicate, step) if replicate else None, **options,
+                then=functools.partial(self.tier.replicate, step) if replicate else None,
+                when_busy=when_busy, **options,
             )  # fmt: skip
         self.wait()
         report = commit_step(self.objects, self.catalog, step, take_snapshot, **options)

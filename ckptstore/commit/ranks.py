@@ -21,15 +21,34 @@ T = TypeVar("T")
 # background thread while training runs its own on the default group; collectives of two
 # threads on one group may interleave differently on each rank, so commits get their own.
 _group = None
+# The group the training thread agrees over whether the previous commit is still running
+# (``agree_busy``), while the background thread may be in a commit's collectives on ``_group``.
+_decisions = None
 
 
 def use_commit_group() -> None:
-    """Give commits a process group of their own (collective: every rank must call it)."""
-    global _group
+    """Give commits a process group of their own, and their decisions on the training thread
+    another (collective: every rank must call it)."""
+    global _group, _decisions
     import torch.distributed as dist
 
     if _group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         _group = dist.new_group(backend="gloo")
+        _decisions = dist.new_group(backend="gloo")
+
+
+def agree_busy(busy: bool, unstarted: bool) -> tuple[bool, bool, bool]:
+    """Every rank's view of its commits joined: (whether any rank's previous commit is still
+    running, whether every rank has a queued commit not yet started, whether any rank has).
+    Collective on the training thread, after ``use_commit_group``."""
+    if _decisions is None:
+        return busy, unstarted, unstarted
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(busy), int(unstarted), int(not unstarted)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_decisions)
+    return bool(flags[0]), not bool(flags[2]), bool(flags[1])
 
 
 def commit_group():

@@ -24,9 +24,9 @@ from ..layers import layer_of
 from ..model import FileRow, LayerPacks, Snapshot
 from ..objects import ObjectStore
 from . import ranks, stats
-from .background import CommitHandle, CommitQueue
 from .packs import StoredPacks, store_pieces
 from .plan import CommitPlan, check_new_step, plan_commit
+from .queue import WAIT, CommitHandle, CommitQueue, skipped
 from .record import build_record, check_metrics, publish
 
 
@@ -223,16 +223,20 @@ def submit_commit(
     engine: Any,
     take_snapshot: Callable[[], Snapshot],
     then: Callable[[], Any] | None = None,
+    when_busy: str = WAIT,
     **options: Any,
 ) -> CommitHandle:
     """Start a commit of ``step`` that runs behind training; returns its handle at once;
     ``then`` runs after it, on the same thread, once it is durable.
 
-    Waits for the commit in flight (raising its error), checks the step, then takes the
-    snapshot (views of the engine's live tensors), which ``queue`` copies in the background
-    while the engine's next optimizer step waits for the copy. ``options`` as ``commit_step``.
+    ``when_busy`` says what happens while the previous commit still runs (``queue``): ``wait``
+    for it (raising its error), commit the ``latest`` snapshot after it, or ``skip`` this step.
+    Then checks the step and takes the snapshot (views of the engine's live tensors), which
+    ``queue`` copies in the background while the engine's next optimizer step waits for the
+    copy. ``options`` as ``commit_step``.
     """
-    queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
+    if when_busy == WAIT:
+        queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
     with objects.local_only():
         check_new_step(catalog, step)
     if options.get("files") is not None:
@@ -240,6 +244,9 @@ def submit_commit(
         # Trainer's save_total_limit deletes old checkpoint folders).
         options["files"] = auxfiles.read(options["files"])
     ranks.use_commit_group()  # background collectives must not mix with training's
+    admission = None if when_busy == WAIT else queue.admit(when_busy, ranks.agree_busy)
+    if admission is not None and admission.skip:
+        return skipped(step)
     snapshot = take_snapshot()
 
     def commit(copy: Snapshot) -> CommitReport:
@@ -248,4 +255,6 @@ def submit_commit(
             then()
         return report
 
-    return queue.submit_snapshot(step, engine, snapshot, commit)
+    if admission is None:
+        return queue.submit_snapshot(step, engine, snapshot, commit)
+    return queue.submit_queued(step, engine, snapshot, commit, admission)

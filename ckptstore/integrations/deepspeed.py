@@ -32,7 +32,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from .. import strategies
 from ..commit import ranks
-from ..commit.background import CommitHandle
+from ..commit.queue import CommitHandle
 from ..commit.step import CommitReport
 from ..deepspeed import torchfile
 from ..errors import BadInputError, CorruptError

@@ -33,7 +33,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import strategies
 from ..commit import ranks
-from ..commit.background import CommitHandle
+from ..commit.queue import CommitHandle
 from ..commit.step import CommitReport
 from ..errors import BadInputError
 from ..opening import open as open_store
