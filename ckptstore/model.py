@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-# What a non-blocking commit does while the previous one still runs (``commit.queue``).
+# What a non-blocking commit does while the previous one still runs (``commit.queue``), and
+# what became of a step it did not commit.
 WAIT, LATEST, SKIP = "wait", "latest", "skip"
 WHEN_BUSY = (WAIT, LATEST, SKIP)
+REPLACED, SKIPPED = "replaced", "skipped"
 
 # Kinds of stored tensors besides optimizer state names such as ``exp_avg``.
 FP32 = "fp32"
@@ -85,6 +87,16 @@ class Snapshot:
     # Whether this rank sends its part to ``combine`` (None: data-parallel rank 0 does, the
     # first rank of each model-parallel part); the ranks of different parts must all send.
     sends_part: bool | None = None
+
+
+@dataclass(frozen=True)
+class QueueFigures:
+    """What the queue of a non-blocking commit measured and decided, for its record: the
+    seconds it held training (its call, and the optimizer step's wait for its snapshot copy),
+    and the steps since the previous commit it did not commit (step, REPLACED or SKIPPED)."""
+
+    stall: float | None
+    not_committed: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,11 @@ class StepRow:
     metrics: dict[str, float | None] = field(default_factory=dict)
     # seconds the commit took (its manifest's ``seconds``); None for steps recorded before that
     commit_seconds: float | None = None
+    # seconds training was held for it (a non-blocking commit's ``stall``); None where not recorded
+    stall_seconds: float | None = None
+    # the steps since the committed one before that were not committed: (step, "replaced" or
+    # "skipped"), as ``commit(when_busy=...)`` decided
+    not_committed: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -276,6 +293,12 @@ class StepRecord:
     # Seconds from sampling the engine to the record (snapshot, encode, hash, writing the
     # packs), as the committing machine measured them; None in manifests written before.
     seconds: float | None = None
+    # Seconds a non-blocking commit held training: its call, and the optimizer step's wait for
+    # its snapshot copy (None for a blocking commit: all of ``seconds``).
+    stall: float | None = None
+    # Steps since the previous committed one that were not committed: (step, REPLACED or
+    # SKIPPED), as ``commit(when_busy=...)`` decided on every rank.
+    not_committed: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def front_door(self) -> str:

@@ -7,8 +7,10 @@ import time
 from contextlib import contextmanager
 
 import pytest
+from click.testing import CliRunner
 
 import ckptstore
+from ckptstore.cli import cli
 from ckptstore.errors import BadInputError, StorageError
 from tests.dist_worker import commit_every_step
 from tests.model_parallel_worker import differences
@@ -61,7 +63,20 @@ def test_latest_queues_the_newest_snapshot_behind_a_running_commit_and_skip_skip
         "skipped",
     ]
     assert store.steps() == [1, 3]
+    train(engine, DATA[6:7])
+    store.commit(engine, step=5, blocking=False, when_busy="latest").result()
     destroy_engine(engine)
+
+    # each commit records what it held training, and the steps before it not committed
+    log = {row.step: row for row in store.log()}
+    assert [log[step].not_committed for step in (1, 3, 5)] == [[], [(2, "replaced")], [(4, "skipped")]]
+    assert all(log[step].stall_seconds is not None for step in (1, 3, 5))
+    shown = CliRunner().invoke(cli, ["--store", str(tmp_path / "store"), "log"])
+    assert shown.exit_code == 0 and "not committed before it: replaced 2" in shown.output
+    assert "stall s" in shown.output and "not committed before it: skipped 4" in shown.output
+    figures = store.report(tmp_path / "report")
+    assert figures.not_committed == [[], [(2, "replaced")], [(4, "skipped")]]
+    assert "2 replaced" in (tmp_path / "report" / "index.html").read_text()
 
     # step 3 is the snapshot taken at step 3, though training went on while it waited
     store.materialize(3, tmp_path / "materialized")

@@ -1,6 +1,7 @@
 """Manifests round-trip and encode canonically; a newer manifest is refused as unsupported."""
 
 import dataclasses
+import json
 
 import pytest
 from hypothesis import given
@@ -127,6 +128,21 @@ def test_metrics_and_the_weights_only_mark_round_trip_and_are_encoded_only_when_
     assert b'"weights_only":true' in manifest.encode_v1(record)
     plain = manifest.encode_v1(example())
     assert b"metrics" not in plain and b"weights_only" not in plain
+
+
+def test_a_queued_commits_stall_and_the_steps_it_did_not_commit_round_trip_and_are_checked():
+    record = dataclasses.replace(example(), stall=0.0125, not_committed=[(3, "skipped"), (5, "replaced")])
+    assert manifest.decode(manifest.encode(record)) == record
+    assert b'"not_committed":[[3,"skipped"],[5,"replaced"]]' in manifest.encode_v1(record)
+    assert b"stall" not in manifest.encode_v1(example())
+    for bad in ([[6, "skipped"]], [[5, "lost"]], [[3, "skipped"], [2, "skipped"]], [["3", "skipped"]], "3"):
+        data = manifest.encode_v1(record).replace(
+            b'"not_committed":[[3,"skipped"],[5,"replaced"]]', b'"not_committed":' + json.dumps(bad).encode()
+        )
+        with pytest.raises(CorruptError, match="not_committed"):
+            manifest.decode(data)
+    with pytest.raises(CorruptError, match="stall is '-1'"):
+        manifest.decode(manifest.encode_v1(record).replace(b'"stall":0.0125', b'"stall":-1'))
 
 
 def test_a_deletion_record_round_trips_and_with_a_key_binds_its_name():

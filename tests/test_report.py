@@ -196,7 +196,7 @@ def test_past_eighty_layers_the_experts_of_each_moe_layer_share_one_heatmap_row(
     layers = ["embed", "blocks.0", "blocks.1", *experts[:64], "blocks.2", "blocks.3", *experts[64:], "head"]
     updates = [[0.5 if layer.endswith(".7") else 0.1 if "experts" in layer else None for layer in layers]]
     saved = [[layer.endswith(".7") for layer in layers]]
-    figures = Figures([4], layers, updates, saved, [1], [1], [1], [1], None, [None], [None])
+    figures = Figures([4], layers, updates, saved, [1], [1], [1], [1], None, [None], [None], [None], [[]])
 
     labels, rows, marks = charts.heatmap_rows(figures)
     group = "blocks.{}.moe.deepspeed_moe.experts.deepspeed_experts.* (64 experts, largest update)"

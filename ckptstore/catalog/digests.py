@@ -62,7 +62,15 @@ def record_parts(record: StepRecord) -> Parts:
         )
         units[layer] = (pack, tensors.get((source, layer), []))
     return _parts(
-        [record.created_at, record.world_size, record.description, int(record.weights_only), record.seconds],
+        [
+            record.created_at,
+            record.world_size,
+            record.description,
+            int(record.weights_only),
+            record.seconds,
+            record.stall,
+            [list(pair) for pair in record.not_committed],
+        ],  # fmt: skip
         [
             [layer, source, *record.updates.get(layer, (None, None))]
             for layer, source in record.layer_sources.items()
@@ -77,7 +85,8 @@ def row_parts(db, step: int, memo: dict[tuple[int, str], bytes] | None = None) -
     """The parts of the rows the catalog ``db`` holds for ``step`` (None if it holds no step
     row). ``memo`` keeps each layer index's digest by (source step, layer) across calls."""
     row = db.execute(
-        "SELECT created_at, world_size, description, weights_only, commit_seconds FROM steps WHERE step = ?",
+        "SELECT created_at, world_size, description, weights_only, commit_seconds, stall_seconds, not_committed "
+        "FROM steps WHERE step = ?",
         [step],
     ).fetchone()
     if row is None:
@@ -107,7 +116,7 @@ def row_parts(db, step: int, memo: dict[tuple[int, str], bytes] | None = None) -
             unit = tuple(unit)
             memo[unit] = _unit_digest(packs.get(unit), tensors.get(unit, []))
     return _parts(
-        [*row[:3], int(row[3]), row[4]],
+        [*row[:3], int(row[3]), row[4], row[5], json.loads(row[6] or "[]")],
         [list(layer) for layer in layers],
         db.execute("SELECT path, key, size FROM files WHERE step = ?", [step]).fetchall(),
         db.execute("SELECT name, value FROM metrics WHERE step = ?", [step]).fetchall(),
@@ -125,7 +134,7 @@ def differences(expected: Parts, found: Parts) -> list[str]:
 def _parts(
     step: list, layers: Iterable, files: Iterable, metrics: Iterable, units: dict, *, hashed: bool = False
 ) -> Parts:
-    created_at, world_size, description, weights_only, seconds = step
+    created_at, world_size, description, weights_only, seconds, stall, not_committed = step
     parts = {
         "the description": description.encode(),
         "the creation time": _json(created_at),
@@ -138,6 +147,10 @@ def _parts(
     }
     if seconds is not None:  # a part only where recorded: older steps' digests stay as they were
         parts["the commit duration"] = _json(_number(seconds))
+    if stall is not None:
+        parts["the training stall"] = _json(_number(stall))
+    if not_committed:
+        parts["the steps not committed"] = _json(not_committed)
     for layer, unit in units.items():
         parts[f"layer {layer}'s stored index"] = unit if hashed else _unit_digest(*unit)
     return parts

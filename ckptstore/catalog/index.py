@@ -265,6 +265,8 @@ class Catalog(StepQueries, LayerPackQueries, ReferenceQueries, MetricQueries, We
                     "blobs_added": blobs_added,
                     "weights_only": record.weights_only,
                     "commit_seconds": record.seconds,
+                    "stall_seconds": record.stall,
+                    "not_committed": json.dumps(record.not_committed) if record.not_committed else None,
                     "generation": generation,
                     "rows_digest": digests.of_parts(
                         digests.record_parts(record), step, generation, self.content_hash

@@ -50,14 +50,21 @@ class StepQueries:
         sql = """
             SELECT s.step, s.created_at, s.world_size, s.layers_saved,
                    (SELECT count(*) FROM layers l WHERE l.step = s.step), s.bytes_added, s.blobs_added,
-                   NOT s.weights_only, s.commit_seconds
+                   NOT s.weights_only, s.commit_seconds, s.stall_seconds, s.not_committed
             FROM steps s ORDER BY s.step
         """
         metrics: dict[int, dict[str, float | None]] = {}
         for step, name, value in self.db.execute("SELECT step, name, value FROM metrics ORDER BY step, name"):
             metrics.setdefault(step, {})[name] = value
         return [
-            StepRow(*row[:7], resumable=bool(row[7]), metrics=metrics.get(row[0], {}), commit_seconds=row[8])
+            StepRow(
+                *row[:7],
+                resumable=bool(row[7]),
+                metrics=metrics.get(row[0], {}),
+                commit_seconds=row[8],
+                stall_seconds=row[9],
+                not_committed=[tuple(pair) for pair in json.loads(row[10] or "[]")],
+            )  # fmt: skip
             for row in self.db.execute(sql)
         ]
 

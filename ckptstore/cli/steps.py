@@ -54,7 +54,9 @@ def show(ctx: click.Context, step: int, as_json: bool) -> None:
 @click.pass_context
 def log(ctx: click.Context, as_json: bool) -> None:
     """List committed steps: when, how many layers each saved, bytes it added, whether it
-    resumes ("weights": gc kept its weights only), metrics. A step whose manifest cannot be
+    resumes ("weights": gc kept its weights only), metrics; for commits behind training, the
+    seconds each took and held training (stall), and the steps before it that were replaced
+    or skipped (commit(when_busy=...)). A step whose manifest cannot be
     read is named after the others (exit 4: run `ckptstore verify`). With a local tier
     (--local), where each step is: "local" (not uploaded yet), "both", or only in the store.
 
@@ -86,10 +88,13 @@ def _where(store) -> dict[int, str]:
 def _print_log(rows: list, where: dict[int, str] | None = None) -> None:
     """The log as a table, one line per step; ``where`` adds a column (a store with a local tier)."""
     with_metrics = any(row.metrics for row in rows)
+    # commits behind training: how long each held training, and the steps it did not commit
+    queued = any(row.stall_seconds is not None or row.not_committed for row in rows)
     click.echo(
         f"{'step':>10}  {'committed (UTC)':<25} {'layers saved':>12}  {'objects added':>13}  {'bytes added':>11}"
         + "  resumes"
         + ("  where" if where else "")
+        + (f"  {'commit s':>8}  {'stall s':>8}" if queued else "")
         + ("  metrics" if with_metrics else "")
     )
     for row in rows:
@@ -99,8 +104,23 @@ def _print_log(rows: list, where: dict[int, str] | None = None) -> None:
             f"{row.step:>10}  {row.created_at:<25} {saved:>12}  {row.blobs_added:>13}  {human(row.bytes_added):>11}"
             + ("  yes    " if row.resumable else "  weights")
             + (f"  {where.get(row.step, '-'):<5}" if where else "")
+            + (f"  {_seconds(row.commit_seconds):>8}  {_seconds(row.stall_seconds):>8}" if queued else "")
             + (f"  {metrics}" if metrics else "")
         )
+        if row.not_committed:
+            click.echo(f"{'':>10}  not committed before it: {_not_committed(row.not_committed)}")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _not_committed(pairs: list[tuple[int, str]]) -> str:
+    """``replaced 2, 3; skipped 5``: the steps a commit behind training did not commit."""
+    by_outcome: dict[str, list[str]] = {}
+    for step, outcome in pairs:
+        by_outcome.setdefault(outcome, []).append(str(step))
+    return "; ".join(f"{outcome} {', '.join(steps)}" for outcome, steps in sorted(by_outcome.items()))
 
 
 def _metric(value: float | None) -> str:

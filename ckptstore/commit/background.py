@@ -89,20 +89,26 @@ def device_ready(snapshot: Snapshot) -> tuple[torch.device, Any] | None:
     return None
 
 
+class CopyHold:
+    """One snapshot copy the gate waits for; ``held``: the seconds optimizer steps waited on it."""
+
+    def __init__(self) -> None:
+        self.held = 0.0
+
+
 class SnapshotGate:
     """Holds an engine's optimizer step while snapshots of its tensors are being copied.
 
     Forward and backward passes only read the fp32 masters, optimizer states and module
     weights; the optimizer step is the first thing that changes them. A step pre-hook on the
-    engine's torch optimizer (DeepSpeed's wrappers all step one) waits until every ``close()``
-    has had its ``open()``. ``held`` adds up the seconds steps waited.
+    engine's torch optimizer (DeepSpeed's wrappers all step one) waits until every copy
+    ``close()`` began has had its ``open()``; each copy counts the seconds it held a step.
     """
 
     def __init__(self) -> None:
-        self._copying = 0
+        self._copies: set[CopyHold] = set()
         self._changed = threading.Condition()
         self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.held = 0.0
 
     def guard(self, engine: Any) -> bool:
         """Make ``engine``'s optimizer steps wait at this gate; False if it has no torch optimizer."""
@@ -117,26 +123,30 @@ class SnapshotGate:
 
     def _hold(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         with self._changed:
-            if self._copying:
+            waited_on = set(self._copies)
+            if waited_on:
                 started = time.monotonic()
-                self._changed.wait_for(lambda: self._copying == 0)
-                self.held += time.monotonic() - started
+                self._changed.wait_for(lambda: not self._copies)
+                for copy in waited_on:
+                    copy.held += time.monotonic() - started
 
-    def close(self) -> None:
+    def close(self) -> CopyHold:
         """Steps wait from now until this copy's ``open()``."""
+        copy = CopyHold()
         with self._changed:
-            self._copying += 1
+            self._copies.add(copy)
+        return copy
 
-    def open(self) -> None:
-        """One copy has landed: steps go on once every copy has."""
+    def open(self, copy: CopyHold) -> None:
+        """The ``copy`` has landed: steps go on once every copy has."""
         with self._changed:
-            self._copying = max(self._copying - 1, 0)
+            self._copies.discard(copy)
             self._changed.notify_all()
 
     def release(self) -> None:
         """Open the gate and unhook every optimizer."""
         with self._changed:
-            self._copying = 0
+            self._copies.clear()
             self._changed.notify_all()
         for handle in list(self._hooks.values()):
             handle.remove()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,11 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CkptStoreError
-from ..model import SKIP, WAIT, Snapshot
+from ..model import REPLACED, SKIP, SKIPPED, WAIT, QueueFigures, Snapshot
 from .background import SnapshotBuffers, SnapshotGate, device_ready
 
 __all__ = ["WAIT", "CommitHandle", "CommitQueue", "skipped"]
-COMMITTED, FAILED, REPLACED, SKIPPED = "committed", "failed", "replaced", "skipped"
+COMMITTED, FAILED = "committed", "failed"
+# A commit's work: its snapshot copy, and its queue's figures once it records them.
+Committer = Callable[[Snapshot, Callable[[], QueueFigures]], Any]
 _REPLACED, _SKIPPED = object(), object()  # what a replaced commit's job returns, and a skipped one
 
 
@@ -118,6 +121,8 @@ class CommitQueue:
         self._handles: list[CommitHandle] = []  # not yet waited for, oldest first
         self._waiting: _Job | None = None  # queued, not started
         self._running: _Job | None = None
+        # steps replaced or skipped since the last commit started, which it records
+        self._not_committed: list[tuple[int, str]] = []
         self._lock = threading.Lock()
         # A snapshot's buffers are reused by later ones: two sets, so that one can wait while
         # the other's commit runs.
@@ -138,31 +143,20 @@ class CommitQueue:
         return handle
 
     def submit_snapshot(
-        self, step: int, engine: Any, snapshot: Snapshot, commit: Callable[[Snapshot], Any]
+        self, step: int, engine: Any, snapshot: Snapshot, commit: Committer, called: float
     ) -> CommitHandle:
         """Copy ``snapshot`` (views of ``engine``'s live tensors) into host buffers in the
-        background, then run ``commit(copy)`` there too (after waiting for the previous commit:
-        ``wait``). Training goes on meanwhile; the engine's next optimizer step waits until the
-        copy has landed. Without a torch optimizer to hold, the copy is taken here before returning."""
-        buffers = self._buffers[0]
-        if not self.gate.guard(engine):
-            copy = buffers.copy(snapshot)
-            return self.submit(step, lambda: commit(copy))
-        ready = device_ready(snapshot)
+        background, then run ``commit(copy, figures)`` there too, once the previous commit is
+        done (the caller waited for it: ``wait``). Training goes on meanwhile; the engine's next
+        optimizer step waits until the copy has landed. Without a torch optimizer to hold, the
+        copy is taken here before returning. ``called``: when the commit was called."""
+        return self.submit_queued(step, engine, snapshot, commit, Admission(skip=False), called)
 
-        def copy_then_commit() -> Any:
-            try:
-                copy = buffers.copy(snapshot, ready)
-            finally:
-                self.gate.open()  # the engine's next optimizer step may run
-            return commit(copy)
-
-        self.gate.close()
-        try:
-            return self.submit(step, copy_then_commit)
-        except BaseException:
-            self.gate.open()
-            raise
+    def skip(self, step: int) -> CommitHandle:
+        """The handle of ``step``, skipped: the next commit records it as not committed."""
+        with self._lock:
+            self._not_committed.append((step, SKIPPED))
+        return skipped(step)
 
     def admit(self, when_busy: str, agree: Callable[[bool, bool], tuple[bool, bool, bool]]) -> Admission:
         """Decide how a commit under ``when_busy`` (``latest`` or ``skip``) goes, every rank
@@ -180,6 +174,7 @@ class CommitQueue:
             if all_unstarted:
                 self._waiting.replaced = True
                 self._waiting.handle.replace()
+                self._not_committed.append((self._waiting.handle.step, REPLACED))
                 return Admission(skip=False, buffers=self._waiting.buffers)
             return Admission(skip=False, buffers=self._free_buffers())
 
@@ -200,33 +195,39 @@ class CommitQueue:
         step: int,
         engine: Any,
         snapshot: Snapshot,
-        commit: Callable[[Snapshot], Any],
+        commit: Committer,
         admission: Admission,
+        called: float,
     ) -> CommitHandle:
-        """Queue ``commit(copy)`` of ``snapshot`` behind the running commit without waiting
-        for it (``latest``): the copy into ``admission.buffers`` starts at once on a thread of
-        its own, the engine's next optimizer step waiting for it (taken here where the engine
-        has no torch optimizer to hold)."""
+        """Queue ``commit(copy, figures)`` of ``snapshot`` behind the running commit without
+        waiting for it: the copy into ``admission.buffers`` starts at once on a thread of its
+        own, the engine's next optimizer step waiting for it (taken here where the engine has no
+        torch optimizer to hold). ``figures`` (``QueueFigures``): how long it held training,
+        from ``called``, and the steps not committed since the last commit."""
         buffers = self._buffers[admission.buffers]
-        guarded = self.gate.guard(engine)
-        ready = device_ready(snapshot)
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-copy")
-
-        def copy_snapshot() -> Snapshot:
-            try:
-                return buffers.copy(snapshot, ready)
-            finally:
-                if guarded:
-                    self.gate.open()
-
-        if guarded:
-            self.gate.close()
-            copied = self._copier.submit(copy_snapshot)
-        else:
-            copied = Future()
+        hold = self.gate.close() if self.gate.guard(engine) else None
+        if hold is None:
+            copied: Future = Future()
             copied.set_result(buffers.copy(snapshot))
+        else:
+            ready = device_ready(snapshot)
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-copy")
+
+            def copy_snapshot() -> Snapshot:
+                try:
+                    return buffers.copy(snapshot, ready)
+                finally:
+                    self.gate.open(hold)
+
+            copied = self._copier.submit(copy_snapshot)
         job = _Job(admission.buffers)
+        returned = threading.Event()
+        held_by_call: list[float] = []
+
+        def figures(not_committed: tuple) -> QueueFigures:
+            returned.wait()
+            return QueueFigures(held_by_call[0] + (hold.held if hold is not None else 0.0), not_committed)
 
         def run() -> Any:
             with self._lock:
@@ -235,17 +236,30 @@ class CommitQueue:
                 job.started, self._running = True, job
                 if self._waiting is job:
                     self._waiting = None
+                not_committed = tuple(entry for entry in self._not_committed if entry[0] < step)
+                self._not_committed = [entry for entry in self._not_committed if entry[0] >= step]
             try:
-                return commit(copied.result())
+                return commit(copied.result(), lambda: figures(not_committed))
+            except BaseException:
+                with self._lock:  # the next commit records them
+                    self._not_committed = sorted({*not_committed, *self._not_committed})
+                raise
             finally:
                 with self._lock:
                     if self._running is job:
                         self._running = None
 
-        with self._lock:
-            job.handle = self._track(CommitHandle(step, self._pool.submit(run)))
-            if not job.started:
-                self._waiting = job
+        try:
+            with self._lock:
+                job.handle = self._track(CommitHandle(step, self._pool.submit(run)))
+                if not job.started:
+                    self._waiting = job
+        except BaseException:
+            if hold is not None:
+                self.gate.open(hold)
+            raise
+        held_by_call.append(time.monotonic() - called)
+        returned.set()
         return job.handle
 
     def wait(self) -> Any:

@@ -19,7 +19,7 @@ from ..catalog import Catalog
 from ..errors import BadInputError, ConflictError, StorageError, clip
 from ..format import deletions, manifest
 from ..format.layout import manifest_name
-from ..model import FileRow, LayerPacks, StepRecord, Updates, layers_by_source
+from ..model import FileRow, LayerPacks, QueueFigures, StepRecord, Updates, layers_by_source
 from ..objects import ObjectStore
 
 
@@ -56,12 +56,14 @@ def build_record(
     created: dict[str, int],
     metrics: dict[str, float | None] | None = None,
     seconds: float | None = None,
+    queued: QueueFigures | None = None,
 ) -> StepRecord:
     """The step's record: the pack indexes of the layers it saved (``packs``) plus, from the
     catalog, what every layer it inherits is stored as (pack indexes, or tensor rows and blob
     sizes where a format-1 step saved it), so that the record stands alone. ``created``: the
     packs this commit added to the store (key -> stored size); ``seconds``: how long the commit
-    took up to now (kept to the microsecond, as the manifest keeps it)."""
+    took up to now (kept to the microsecond, as the manifest keeps it); ``queued``: what a
+    non-blocking commit's queue measured and decided."""
     packs = dict(packs)
     inherited = []
     for source, layers in layers_by_source(layer_sources).items():
@@ -83,6 +85,8 @@ def build_record(
         added=(len(created), sum(created.values())),
         metrics=metrics or {},
         seconds=None if seconds is None else round(seconds, 6),
+        stall=None if queued is None or queued.stall is None else round(queued.stall, 6),
+        not_committed=[] if queued is None else list(queued.not_committed),
     )
 
 

@@ -21,12 +21,12 @@ from ..errors import BadInputError, NotFoundError
 from ..format import config, layerpacks
 from ..format.layout import file_name, manifest_name
 from ..layers import layer_of
-from ..model import FileRow, LayerPacks, Snapshot
+from ..model import FileRow, LayerPacks, QueueFigures, Snapshot
 from ..objects import ObjectStore
 from . import ranks, stats
 from .packs import StoredPacks, store_pieces
 from .plan import CommitPlan, check_new_step, plan_commit
-from .queue import WAIT, CommitHandle, CommitQueue, skipped
+from .queue import WAIT, CommitHandle, CommitQueue
 from .record import build_record, check_metrics, publish
 
 
@@ -135,13 +135,15 @@ def commit_step(
     files: auxfiles.FileSpec | None = None,
     metrics: Mapping[str, float] | None = None,
     background: bool = False,
+    queued: Callable[[], QueueFigures] | None = None,
 ) -> CommitReport:
     """Commit what ``take_snapshot()`` returns on every rank as ``step``; durable when it returns.
 
     Collective: every rank calls it, and an error on any rank raises on every rank with
     nothing recorded. ``layers`` chooses the saved layers (``commit.plan.plan_commit``);
     ``files`` are kept with the step (None keeps the previous step's); ``metrics`` (rank 0's)
-    are recorded with it; ``background`` lowers the CPU priority. Raises ConflictError, on every
+    are recorded with it; ``background`` lowers the CPU priority; ``queued``: what the queue of
+    a non-blocking commit measured and decided, recorded with it. Raises ConflictError, on every
     rank, if another writer committed the step first (its objects are left as they are).
     """
     what = f"commit of step {step}"
@@ -166,7 +168,7 @@ def commit_step(
             step_record = build_record(
                 catalog, step, shares[0].world_size, shares[0].description, plan.layer_sources,
                 _layer_indexes(step, plan.saved, shares), plan.updates, own.step_files(shares), created,
-                own.metrics, time.monotonic() - started,
+                own.metrics, time.monotonic() - started, None if queued is None else queued(),
             )  # fmt: skip
             return publish(objects, catalog, step_record, samples=own.samples)
 
@@ -235,6 +237,7 @@ def submit_commit(
     ``queue`` copies in the background while the engine's next optimizer step waits for the
     copy. ``options`` as ``commit_step``.
     """
+    called = time.monotonic()  # training is held from here until the call returns
     if when_busy == WAIT:
         queue.wait()  # one commit in flight at a time; the previous one's error surfaces here
     with objects.local_only():
@@ -246,15 +249,15 @@ def submit_commit(
     ranks.use_commit_group()  # background collectives must not mix with training's
     admission = None if when_busy == WAIT else queue.admit(when_busy, ranks.agree_busy)
     if admission is not None and admission.skip:
-        return skipped(step)
+        return queue.skip(step)
     snapshot = take_snapshot()
 
-    def commit(copy: Snapshot) -> CommitReport:
-        report = commit_step(objects, catalog, step, lambda: copy, background=True, **options)
+    def commit(copy: Snapshot, queued: Callable[[], QueueFigures]) -> CommitReport:
+        report = commit_step(objects, catalog, step, lambda: copy, background=True, queued=queued, **options)
         if then is not None:
             then()
         return report
 
     if admission is None:
-        return queue.submit_snapshot(step, engine, snapshot, commit)
-    return queue.submit_queued(step, engine, snapshot, commit, admission)
+        return queue.submit_snapshot(step, engine, snapshot, commit, called)
+    return queue.submit_queued(step, engine, snapshot, commit, admission, called)

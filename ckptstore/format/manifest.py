@@ -27,7 +27,7 @@ import zstandard
 from .. import knobs, tensorsplit
 from ..errors import CorruptError, clip
 from ..hashing import PLAIN, ContentHash
-from ..model import BlobRow, FileRow, StepRecord, TensorRow
+from ..model import REPLACED, SKIPPED, BlobRow, FileRow, StepRecord, TensorRow
 from . import layerpacks, layout, zstd
 from .config import check_version
 
@@ -76,6 +76,10 @@ def _body(record: StepRecord) -> dict:
         body["supersedes"] = record.supersedes
     if record.seconds is not None:
         body["seconds"] = round(record.seconds, 6)
+    if record.stall is not None:
+        body["stall"] = round(record.stall, 6)
+    if record.not_committed:
+        body["not_committed"] = [[step, outcome] for step, outcome in record.not_committed]
     return body
 
 
@@ -216,6 +220,8 @@ def _record(body: dict, indexes: bytes, lazy: bool = False) -> StepRecord:
         weights_only=body.get("weights_only") is True,
         supersedes=None if body.get("supersedes") is None else int(body["supersedes"]),
         seconds=_seconds(body.get("seconds")),
+        stall=_seconds(body.get("stall"), "stall"),
+        not_committed=_not_committed(body.get("not_committed", []), step),
     )
 
 
@@ -223,10 +229,27 @@ def _record(body: dict, indexes: bytes, lazy: bool = False) -> StepRecord:
 _MAX_SECONDS = 1e8
 
 
-def _seconds(value: object) -> float | None:
-    """A manifest's ``seconds``: None, or a finite duration from 0 to ``_MAX_SECONDS``."""
+def _seconds(value: object, what: str = "seconds") -> float | None:
+    """A manifest's ``seconds`` (or ``stall``): None, or a finite duration from 0 to ``_MAX_SECONDS``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= _MAX_SECONDS:
-        raise CorruptError(f"malformed manifest: seconds is {str(value)[:40]!r}, not a duration")
+        raise CorruptError(f"malformed manifest: {what} is {str(value)[:40]!r}, not a duration")
     return float(value)
+
+
+def _not_committed(value: object, step: int) -> list[tuple[int, str]]:
+    """A manifest's ``not_committed``: ``[step, "replaced" | "skipped"]`` pairs of steps before
+    ``step``, ascending."""
+    pairs = []
+    for entry in value if isinstance(value, list) else [value]:
+        earlier = entry[0] if isinstance(entry, list) and len(entry) == 2 else None
+        if (
+            type(earlier) is not int
+            or not 0 <= earlier < step
+            or entry[1] not in (REPLACED, SKIPPED)
+            or (pairs and earlier <= pairs[-1][0])
+        ):
+            raise CorruptError(f"malformed manifest: not_committed holds {str(entry)[:40]!r}")
+        pairs.append((earlier, entry[1]))
+    return pairs

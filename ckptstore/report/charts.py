@@ -178,10 +178,12 @@ def _page(figures: Figures) -> str:
     ratio = "-" if figures.dedup_ratio is None else f"{figures.dedup_ratio:.2f}x"
     rows = "".join(
         f"<tr><td>{step}</td><td>{sum(saved)} of {len(saved)}</td><td>{logical}</td><td>{stored}</td>"
-        f"<td>{total_stored}</td><td>{_seconds(commit)}</td><td>{_seconds(upload)}</td></tr>"
-        for step, saved, logical, stored, total_stored, commit, upload in zip(
+        f"<td>{total_stored}</td><td>{_seconds(commit)}</td><td>{_seconds(stall)}</td><td>{_seconds(upload)}</td>"
+        f"<td>{html.escape(' '.join(f'{earlier} {how}' for earlier, how in missed)) or '-'}</td></tr>"
+        for step, saved, logical, stored, total_stored, commit, stall, upload, missed in zip(
             figures.steps, figures.saved, figures.logical_bytes, figures.stored_bytes,
-            figures.cumulative_stored_bytes, figures.commit_seconds, figures.upload_seconds, strict=True,
+            figures.cumulative_stored_bytes, figures.commit_seconds, figures.stall_seconds,
+            figures.upload_seconds, figures.not_committed, strict=True,
         )
     )  # fmt: skip
     images = "".join(
@@ -194,6 +196,6 @@ def _page(figures: Figures) -> str:
         f"<p>{len(figures.steps)} steps, {len(figures.layers)} layers; logical / stored bytes: {ratio}. "
         'The numbers are in <a href="figures.json">figures.json</a>.</p>'
         f'{images}<h2>Per step</h2><table border="1"><tr><th>step</th><th>layers saved</th>'
-        f"<th>logical bytes</th><th>stored bytes added</th><th>stored, cumulative</th><th>commit seconds</th><th>upload seconds</th></tr>{rows}</table>"
+        f"<th>logical bytes</th><th>stored bytes added</th><th>stored, cumulative</th><th>commit seconds</th><th>training held (s)</th><th>upload seconds</th><th>not committed before it</th></tr>{rows}</table>"
         "</body></html>\n"
     )

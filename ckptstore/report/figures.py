@@ -29,7 +29,9 @@ class Figures:
     ``commit_seconds[i]``: how long the commit of ``steps[i]`` took, None where its manifest
     predates the figure; ``upload_seconds[i]``: how long this node's local tier took to upload
     it, None without a tier, where it has not (or not here) uploaded it, or where the tier no
-    longer holds the step (``local_keep``).
+    longer holds the step (``local_keep``). ``stall_seconds[i]``: how long a commit behind
+    training held it (None for a blocking commit); ``not_committed[i]``: the steps before
+    ``steps[i]`` (and after the step before it) that were replaced or skipped, ``[step, how]``.
     """
 
     steps: list[int]
@@ -43,6 +45,8 @@ class Figures:
     dedup_ratio: float | None
     commit_seconds: list[float | None]
     upload_seconds: list[float | None]
+    stall_seconds: list[float | None]
+    not_committed: list[list[tuple[int, str]]]
 
     def as_json(self) -> dict[str, Any]:
         """The figures as JSON-compatible data."""
@@ -118,6 +122,8 @@ def gather(store: Any, low: int | None = None, high: int | None = None) -> Figur
         dedup_ratio=total_logical[-1] / total_stored[-1] if total_stored[-1] else None,
         commit_seconds=[row.commit_seconds for row in rows],
         upload_seconds=[uploads[row.step][0] if row.step in uploads else None for row in rows],
+        stall_seconds=[row.stall_seconds for row in rows],
+        not_committed=[row.not_committed for row in rows],
     )
 
 
