@@ -83,6 +83,42 @@ def background_nice() -> int:
     return read_int("BACKGROUND_NICE", 10, 0, 19)
 
 
+@setting("BACKGROUND_CPUS", "CPU list")
+def background_cpus() -> frozenset[int] | None:
+    """The CPUs a non-blocking commit hashes, compresses and writes on, as Linux writes CPU
+    lists (``6,7`` or ``4-7``), so that training keeps the others (on a GPU node, the cores its
+    data loaders and launch threads leave idle); its threads are at most that many. Unset: any
+    this process may use. Each must be one this process may use (``os.sched_getaffinity``)."""
+    value = read_raw("BACKGROUND_CPUS")
+    if value is None or not value.strip() or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    cpus: set[int] = set()
+    for part in value.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            low = high = -1
+        if not 0 <= low <= high < 1 << 16:
+            raise bad_value("BACKGROUND_CPUS", value, "a CPU list such as 6,7 or 4-7")
+        cpus.update(range(low, high + 1))
+    if not cpus <= allowed:
+        raise bad_value("BACKGROUND_CPUS", value, f"CPUs this process may use ({_cpu_list(allowed)})")
+    return frozenset(cpus)
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    """``cpus`` as a Linux CPU list (``0-3,6``)."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+
+
 @setting("CPU_THREADS", "integer")
 def cpu_threads() -> int:
     """Threads that hash, compress or decode at once: one per core this process may use, the

@@ -13,7 +13,7 @@ import torch
 import ckptstore
 from ckptstore.commit.background import SnapshotBuffers
 from ckptstore.deepspeed.extract import extract
-from ckptstore.errors import StorageError
+from ckptstore.errors import BadInputError, StorageError
 from tools.engines import batches, build_engine, train
 
 DATA = batches(24)
@@ -119,6 +119,31 @@ def test_a_non_blocking_commit_compresses_at_a_lower_cpu_priority_than_training(
     store.commit(engine, step=2, blocking=False).result()
     assert niceness and min(niceness) == min(training + 10, 19)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == training
+
+
+def test_a_non_blocking_commit_compresses_on_the_cpus_set_aside_for_it(tmp_path, monkeypatch):
+    from ckptstore.format import codec
+
+    cpus = []
+    real_encode = codec.encode_parts
+
+    def observed_encode(tensor, key=None):
+        cpus.append(frozenset(os.sched_getaffinity(0)))
+        return real_encode(tensor, key)
+
+    monkeypatch.setattr(codec, "encode_parts", observed_encode)
+    training = os.sched_getaffinity(0)
+    last = max(training)
+    monkeypatch.setenv("CKPTSTORE_BACKGROUND_CPUS", str(last))
+    store = ckptstore.open(tmp_path / "store")
+    engine = build_engine("llama", zero_stage=1, dtype="fp32", seed=0, num_layers=2)
+    train(engine, DATA[:1])
+    store.commit(engine, step=1, blocking=False).result()
+    assert cpus and set(cpus) == {frozenset({last})}
+    assert os.sched_getaffinity(0) == training  # training keeps every core
+    monkeypatch.setenv("CKPTSTORE_BACKGROUND_CPUS", f"{last + 1}")
+    with pytest.raises(BadInputError, match="CKPTSTORE_BACKGROUND_CPUS"):
+        ckptstore.open(tmp_path / "store")
 
 
 def test_a_failed_background_commit_records_nothing_and_raises_on_wait(tmp_path):

@@ -30,6 +30,7 @@ JUNK = {
     "directory": "{file}/below-a-file",
     "key file": "{tmp}/no-such.key",
     "node name": "rack 7",
+    "CPU list": "4-x",
 }
 
 

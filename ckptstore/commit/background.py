@@ -154,13 +154,14 @@ class SnapshotGate:
 
 
 def lower_thread_priority(base: int | None = None) -> None:
-    """Make the calling thread yield the CPU to the training loop (Linux: a per-thread nice).
+    """Make the calling thread yield the CPU to the training loop (Linux: a per-thread nice),
+    on the CPUs ``CKPTSTORE_BACKGROUND_CPUS`` names, if any.
 
     A non-blocking commit hashes and compresses on the host while training runs; on a busy
     host it should use idle cores, not slow the training step. ``base``: the training
     thread's niceness (``thread_niceness``), for a thread started by an already lowered one,
     which inherits its niceness and must not be lowered twice. Best effort: where threads
-    cannot be reniced, nothing changes.
+    cannot be reniced or pinned, nothing changes.
     """
     try:
         thread = threading.get_native_id()
@@ -168,6 +169,12 @@ def lower_thread_priority(base: int | None = None) -> None:
         os.setpriority(os.PRIO_PROCESS, thread, min(nice, 19))
     except (AttributeError, OSError):
         pass
+    cpus = knobs.background_cpus()
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, cpus)  # pid 0 on Linux: the calling thread alone
+        except OSError:
+            pass
 
 
 def thread_niceness() -> int | None:

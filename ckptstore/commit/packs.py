@@ -67,7 +67,9 @@ def store_pieces(
     a piece's layer, when the layer rule on its name (``layers.layer_of``) is not it. Raises
     what the object store raises (nothing is recorded anyway).
     """
-    slots = max(1, knobs.cpu_threads() // knobs.ranks_on_this_machine())
+    cpus = knobs.background_cpus() if background else None
+    threads = knobs.cpu_threads() if cpus is None else min(knobs.cpu_threads(), len(cpus))
+    slots = max(1, threads // knobs.ranks_on_this_machine())
     cpu = threading.BoundedSemaphore(slots)
 
     def content_key(piece: Piece) -> str | None:
