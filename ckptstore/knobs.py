@@ -88,11 +88,12 @@ def background_cpus() -> frozenset[int] | None:
     """The CPUs a non-blocking commit hashes, compresses and writes on, as Linux writes CPU
     lists (``6,7`` or ``4-7``), so that training keeps the others (on a GPU node, the cores its
     data loaders and launch threads leave idle); its threads are at most that many. Unset: any
-    this process may use. Each must be one this process may use (``os.sched_getaffinity``)."""
+    this process may use. Each must be one of this machine's (``os.cpu_count()``): which of
+    them a thread may use depends on the thread (training's may be pinned to others)."""
     value = read_raw("BACKGROUND_CPUS")
-    if value is None or not value.strip() or not hasattr(os, "sched_getaffinity"):
+    if value is None or not value.strip() or not hasattr(os, "sched_setaffinity"):
         return None
-    allowed = os.sched_getaffinity(0)
+    allowed = set(range(os.cpu_count() or 1))
     cpus: set[int] = set()
     for part in value.split(","):
         first, _, last = part.strip().partition("-")
@@ -104,7 +105,7 @@ def background_cpus() -> frozenset[int] | None:
             raise bad_value("BACKGROUND_CPUS", value, "a CPU list such as 6,7 or 4-7")
         cpus.update(range(low, high + 1))
     if not cpus <= allowed:
-        raise bad_value("BACKGROUND_CPUS", value, f"CPUs this process may use ({_cpu_list(allowed)})")
+        raise bad_value("BACKGROUND_CPUS", value, f"CPUs of this machine ({_cpu_list(allowed)})")
     return frozenset(cpus)
 
 

@@ -103,6 +103,11 @@ _SINGLE_RANK = [
         ["--steps", "2", "--every", "1", "--fail-at", "1", "--layers", "2", "--eval-batches", "1"],
         ["| update-magnitude |", "2 steps, commit every 1"],
     ),
+    (
+        "bench_every_step",
+        [*TINY, "--steps", "3", "--seq", "16", "--batch", "2"],
+        ["| ckptstore commit, when_busy=latest |", "| DeepSpeed save_checkpoint |", "steps durable"],
+    ),
     ("bench_codec", [*TINY, "--steps", "1"], ["ckptstore / blosc2: decode"]),
 ]
 

@@ -169,6 +169,12 @@ def lower_thread_priority(base: int | None = None) -> None:
         os.setpriority(os.PRIO_PROCESS, thread, min(nice, 19))
     except (AttributeError, OSError):
         pass
+    confine_to_background_cpus()
+
+
+def confine_to_background_cpus() -> None:
+    """Run the calling thread on the CPUs ``CKPTSTORE_BACKGROUND_CPUS`` names (none named:
+    nothing changes). Best effort, as ``lower_thread_priority``."""
     cpus = knobs.background_cpus()
     if cpus is not None:
         try:

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import CkptStoreError
 from ..model import REPLACED, SKIP, SKIPPED, WAIT, QueueFigures, Snapshot
-from .background import SnapshotBuffers, SnapshotGate, device_ready
+from .background import SnapshotBuffers, SnapshotGate, confine_to_background_cpus, device_ready
 
 __all__ = ["WAIT", "CommitHandle", "CommitQueue", "skipped"]
 COMMITTED, FAILED = "committed", "failed"
@@ -116,7 +116,11 @@ class CommitQueue:
     """One background worker per store: commits run one at a time, in the order given."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-commit")
+        # The worker and the snapshot copies run on the CPUs set aside for commits, if any (the
+        # copies at training's priority: an optimizer step may be waiting for them).
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ckptstore-commit", initializer=confine_to_background_cpus
+        )
         self._copier: ThreadPoolExecutor | None = None  # snapshot copies beside a running commit
         self._handles: list[CommitHandle] = []  # not yet waited for, oldest first
         self._waiting: _Job | None = None  # queued, not started
@@ -212,7 +216,9 @@ class CommitQueue:
         else:
             ready = device_ready(snapshot)
             if self._copier is None:
-                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptstore-copy")
+                self._copier = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="ckptstore-copy", initializer=confine_to_background_cpus
+                )
 
             def copy_snapshot() -> Snapshot:
                 try:

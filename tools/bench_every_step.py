@@ -1,0 +1,145 @@
+"""Benchmark a commit at every training step against training without commits and DeepSpeed's
+``save_checkpoint`` at every step.
+
+    python tools/bench_every_step.py [--hidden 512 --layers 4 --vocab 8000 --steps 50 --lr 1e-5 --pin]
+
+One rank, DeepSpeed ZeRO-2 bf16 on the CPU, a Llama of the options' size, trained ``--steps``
+steps (after 2 warm-up steps) four ways in this one process, each from the same start:
+
+- no checkpoints;
+- ``store.commit(engine, step, blocking=False, when_busy="latest")`` after every step: training
+  waits for the snapshot copy only; a commit still running has the newest snapshot queued
+  behind it, replacing an older one not yet started;
+- the same with ``when_busy="wait"`` (each commit waits for the one before);
+- DeepSpeed's ``save_checkpoint`` after every step, synced to disk as a commit is (its tag
+  folder removed after the next save).
+
+Prints the median step time of each (training plus what the checkpoint call held it) and its
+ratio to no checkpoints, the median training stall the store recorded per commit, the fraction
+of steps that became durable, and the bytes a commit added (median) against the bytes of one
+DeepSpeed save. ``--pin`` puts training on the first CPU and the store's work on the others
+(``CKPTSTORE_BACKGROUND_CPUS``): what a GPU node, whose cores training leaves idle, looks like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.bench import dir_bytes, fsync_tree  # noqa: E402
+from tools.engines import (  # noqa: E402
+    add_bench_model_options,
+    batches,
+    build_engine,
+    destroy_engine,
+    setup_single_process_env,
+    train,
+)
+
+WARMUP = 2
+
+
+def run(args, work: Path, how: str) -> dict:
+    """Train ``args.steps`` steps checkpointing ``how`` after each; the per-step seconds and
+    what the checkpoints took."""
+    import ckptstore
+
+    engine = build_engine(
+        "llama", zero_stage=2, dtype=args.dtype, seed=0, num_layers=args.layers, hidden=args.hidden,
+        vocab=args.vocab, lr=args.lr, scheduler=False,
+    )  # fmt: skip
+    data = batches(WARMUP + args.steps, vocab=args.vocab, seq=args.seq, batch=args.batch)
+    train(engine, data[:WARMUP])
+    store = ckptstore.open(work / "store") if how in ("latest", "wait") else None
+    seconds, saved = [], []
+    for step, batch in enumerate(data[WARMUP:], start=1):
+        started = time.perf_counter()
+        train(engine, [batch])
+        if store is not None:
+            store.commit(engine, step, blocking=False, when_busy=how)
+        elif how == "deepspeed":
+            engine.save_checkpoint(str(work / "deepspeed"), tag=f"step{step}")
+            fsync_tree(work / "deepspeed" / f"step{step}")  # durable, as a commit is
+            saved.append(dir_bytes(work / "deepspeed" / f"step{step}"))
+            if step > 1:
+                shutil.rmtree(work / "deepspeed" / f"step{step - 1}")
+        seconds.append(time.perf_counter() - started)
+    found = {"seconds": seconds, "saved": saved}
+    if store is not None:
+        store.wait()
+        rows = store.log()
+        found.update(
+            committed=len(rows),
+            stalls=[row.stall_seconds for row in rows if row.stall_seconds is not None],
+            added=[row.bytes_added for row in rows],
+        )
+        store.close()
+    destroy_engine(engine)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: the command line's); the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_bench_model_options(parser, hidden=512, layers=4, vocab=8000, reps=1)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=1e-5, help="1e-5: fine-tuning; 1e-3: from scratch")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--pin", action="store_true", help="training on the first CPU, the store on the others"
+    )
+    args = parser.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin:
+        if len(cpus) < 2:
+            print("--pin needs 2 CPUs or more", file=sys.stderr)
+            return 2
+        os.environ["CKPTSTORE_BACKGROUND_CPUS"] = ",".join(map(str, cpus[1:]))
+        os.sched_setaffinity(0, {cpus[0]})  # before torch starts its threads: they inherit it
+    setup_single_process_env()
+    import torch
+
+    if args.pin:
+        torch.set_num_threads(1)
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="ckptstore-bench-every-step-") as tmp:
+        for how in ("none", "latest", "wait", "deepspeed"):
+            runs[how] = run(args, Path(tmp) / how, how)
+    median = statistics.median
+    base = median(runs["none"]["seconds"])
+    deepspeed_bytes = median(runs["deepspeed"]["saved"])
+    where = (
+        f"training on CPU {cpus[0]}, the store on {','.join(map(str, cpus[1:]))}" if args.pin else "unpinned"
+    )
+    print(f"A checkpoint every step, {args.steps} steps at lr {args.lr:g} ({where}), medians:")
+    print(
+        "| every step | step s | vs no checkpoints | stall s | steps durable | bytes per commit vs DeepSpeed's save |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| no checkpoints | {base:.3f} | 1.00x | | | |")
+    for how in ("latest", "wait"):
+        found = runs[how]
+        step = median(found["seconds"])
+        stall = f"{median(found['stalls']):.3f}" if found["stalls"] else "-"
+        print(f"| ckptstore commit, when_busy={how} | {step:.3f} | {step / base:.2f}x | {stall} | "
+              f"{found['committed']}/{args.steps} | {median(found['added']) / deepspeed_bytes:.3f}x |")  # fmt: skip
+    step = median(runs["deepspeed"]["seconds"])
+    print(
+        f"| DeepSpeed save_checkpoint | {step:.3f} | {step / base:.2f}x | | {args.steps}/{args.steps} | 1.000x |"
+    )
+    print(f"DeepSpeed's save: {deepspeed_bytes / 1e6:.1f} MB; ckptstore's first commit: "
+          f"{runs['latest']['added'][0] / 1e6:.1f} MB (a full one)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
