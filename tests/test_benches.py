@@ -108,6 +108,7 @@ _SINGLE_RANK = [
         [*TINY, "--steps", "3", "--seq", "16", "--batch", "2"],
         ["| ckptstore commit, when_busy=latest |", "| DeepSpeed save_checkpoint |", "steps durable"],
     ),
+    ("bench_deltas", [*TINY, "--warmup", "2", "--lr", "1e-3"], ["| **a commit (masters and moments)** |"]),
     ("bench_codec", [*TINY, "--steps", "1"], ["ckptstore / blosc2: decode"]),
 ]
 

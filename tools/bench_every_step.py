@@ -38,7 +38,7 @@ from tools.bench import dir_bytes, fsync_tree  # noqa: E402
 from tools.engines import (  # noqa: E402
     add_bench_model_options,
     batches,
-    build_engine,
+    build_bench_engine,
     destroy_engine,
     setup_single_process_env,
     train,
@@ -52,10 +52,7 @@ def run(args, work: Path, how: str) -> dict:
     what the checkpoints took."""
     import ckptstore
 
-    engine = build_engine(
-        "llama", zero_stage=2, dtype=args.dtype, seed=0, num_layers=args.layers, hidden=args.hidden,
-        vocab=args.vocab, lr=args.lr, scheduler=False,
-    )  # fmt: skip
+    engine = build_bench_engine(args, lr=args.lr, scheduler=False)
     data = batches(WARMUP + args.steps, vocab=args.vocab, seq=args.seq, batch=args.batch)
     train(engine, data[:WARMUP])
     store = ckptstore.open(work / "store") if how in ("latest", "wait") else None

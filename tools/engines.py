@@ -567,8 +567,9 @@ def add_bench_model_options(parser, *, hidden: int, layers: int, vocab: int, rep
     )
 
 
-def build_bench_engine(args) -> Any:
-    """The benchmarks' engine: a Llama of the options' size, ZeRO-2, bf16 unless ``args.dtype`` says.
+def build_bench_engine(args, **options: Any) -> Any:
+    """The benchmarks' engine: a Llama of the options' size, ZeRO-2, bf16 unless ``args.dtype``
+    says (``options``: more of ``build_engine``'s, such as ``lr`` and ``scheduler``).
 
     On a GPU (``DS_ACCELERATOR`` other than cpu) the optimizer is torch's AdamW: FusedAdam's nvcc
     build would take minutes of a lent machine, and the optimizer does not change what a
@@ -586,6 +587,7 @@ def build_bench_engine(args) -> Any:
         hidden=args.hidden,
         vocab=args.vocab,
         **overrides,
+        **options,
     )
 
 
