@@ -121,9 +121,11 @@ import tools.engines
 # The first engine creates the process group and every later one reuses it (tools/engines.py);
 # bench.py and tailor_eval.py destroy it at their end, as a script's last act: here it goes at exit.
 tools.engines.finalize_distributed = lambda: None
+import time
 environ = dict(os.environ)
 for name, argv in json.loads(sys.argv[1]):
     print(f"=== bench {name}", flush=True)
+    started = time.monotonic()
     try:
         module = __import__(f"tools.{name}", fromlist=["main"])
         code = module.main(argv)
@@ -133,6 +135,7 @@ for name, argv in json.loads(sys.argv[1]):
     sys.stdout.flush()
     os.environ.clear()
     os.environ.update(environ)  # what a bench set for itself (endpoint, cache) is not the next one's
+    print(f"took {time.monotonic() - started:.1f} s", flush=True)
     print(f"=== exit {name} {code}", flush=True)
 """
 
