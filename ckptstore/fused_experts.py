@@ -127,7 +127,7 @@ def piece_keys(description: dict) -> Iterator[str]:
 def _overlapping(parts: list[ExpertSlice], lo: int, hi: int) -> Iterator[tuple[ExpertSlice, int, int]]:
     """Each slice that elements ``[lo, hi)`` of the fused tensor overlap, with the overlap in
     the slice's own numbering."""
-    first = bisect.bisect_right([part.offset for part in parts], lo) - 1
+    first = bisect.bisect_right(parts, lo, key=lambda part: part.offset) - 1
     for part in parts[max(first, 0) :]:
         if part.offset >= hi:
             break

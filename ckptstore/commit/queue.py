@@ -28,11 +28,11 @@ from ..errors import CkptStoreError
 from ..model import REPLACED, SKIP, SKIPPED, WAIT, QueueFigures, Snapshot
 from .background import SnapshotBuffers, SnapshotGate, confine_to_background_cpus, device_ready
 
-__all__ = ["WAIT", "CommitHandle", "CommitQueue", "skipped"]
+__all__ = ["WAIT", "Admission", "CommitHandle", "CommitQueue", "skipped"]
 COMMITTED, FAILED = "committed", "failed"
 # A commit's work: its snapshot copy, and its queue's figures once it records them.
 Committer = Callable[[Snapshot, Callable[[], QueueFigures]], Any]
-_REPLACED, _SKIPPED = object(), object()  # what a replaced commit's job returns, and a skipped one
+_SKIPPED = object()  # what a skipped commit's handle holds
 
 
 class CommitHandle:
@@ -63,7 +63,7 @@ class CommitHandle:
         if self._future.exception() is not None:
             return FAILED
         result = self._future.result()
-        return REPLACED if result is _REPLACED else SKIPPED if result is _SKIPPED else COMMITTED
+        return SKIPPED if result is _SKIPPED else COMMITTED
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait until the step is durable and return its CommitReport (None for a step replaced
@@ -77,7 +77,7 @@ class CommitHandle:
             if self._future.done():  # the commit's own error, not a wait that timed out
                 self._error_delivered = True
             raise
-        return None if result is _REPLACED or result is _SKIPPED else result
+        return None if result is _SKIPPED else result
 
     def outcome_once(self) -> Any:
         """Wait for the commit; its report, or its error unless ``result()`` raised it already
@@ -100,8 +100,11 @@ class _Job:
 
     buffers: int
     started: bool = False
-    replaced: bool = False
     handle: CommitHandle | None = None
+
+    @property
+    def replaced(self) -> bool:
+        return self.handle is not None and self.handle.outcome == REPLACED
 
 
 @dataclass(frozen=True)
@@ -146,16 +149,6 @@ class CommitQueue:
         self._handles = [h for h in self._handles if not h.done() or h.outcome == FAILED] + [handle]
         return handle
 
-    def submit_snapshot(
-        self, step: int, engine: Any, snapshot: Snapshot, commit: Committer, called: float
-    ) -> CommitHandle:
-        """Copy ``snapshot`` (views of ``engine``'s live tensors) into host buffers in the
-        background, then run ``commit(copy, figures)`` there too, once the previous commit is
-        done (the caller waited for it: ``wait``). Training goes on meanwhile; the engine's next
-        optimizer step waits until the copy has landed. Without a torch optimizer to hold, the
-        copy is taken here before returning. ``called``: when the commit was called."""
-        return self.submit_queued(step, engine, snapshot, commit, Admission(skip=False), called)
-
     def skip(self, step: int) -> CommitHandle:
         """The handle of ``step``, skipped: the next commit records it as not committed."""
         with self._lock:
@@ -176,7 +169,6 @@ class CommitQueue:
             if when_busy == SKIP or (any_unstarted and not all_unstarted):
                 return Admission(skip=True)  # (ranks that started their queued commit cannot replace it)
             if all_unstarted:
-                self._waiting.replaced = True
                 self._waiting.handle.replace()
                 self._not_committed.append((self._waiting.handle.step, REPLACED))
                 return Admission(skip=False, buffers=self._waiting.buffers)
@@ -203,10 +195,11 @@ class CommitQueue:
         admission: Admission,
         called: float,
     ) -> CommitHandle:
-        """Queue ``commit(copy, figures)`` of ``snapshot`` behind the running commit without
-        waiting for it: the copy into ``admission.buffers`` starts at once on a thread of its
-        own, the engine's next optimizer step waiting for it (taken here where the engine has no
-        torch optimizer to hold). ``figures`` (``QueueFigures``): how long it held training,
+        """Queue ``commit(copy, figures)`` of ``snapshot`` (views of ``engine``'s live tensors)
+        behind the running commit without waiting for it (under ``wait`` the caller has waited
+        for it): the copy into ``admission.buffers`` starts at once on a thread of its own, the
+        engine's next optimizer step waiting for it (taken here where the engine has no torch
+        optimizer to hold). ``called``: when the commit was called. ``figures`` (``QueueFigures``): how long it held training,
         from ``called``, and the steps not committed since the last commit."""
         buffers = self._buffers[admission.buffers]
         hold = self.gate.close() if self.gate.guard(engine) else None
@@ -228,17 +221,16 @@ class CommitQueue:
 
             copied = self._copier.submit(copy_snapshot)
         job = _Job(admission.buffers)
-        returned = threading.Event()
-        held_by_call: list[float] = []
+        call_seconds: Future = Future()  # how long this call held training, once it returns
 
         def figures(not_committed: tuple) -> QueueFigures:
-            returned.wait()
-            return QueueFigures(held_by_call[0] + (hold.held if hold is not None else 0.0), not_committed)
+            held = hold.held if hold is not None else 0.0
+            return QueueFigures(call_seconds.result() + held, not_committed)
 
         def run() -> Any:
             with self._lock:
                 if job.replaced:
-                    return _REPLACED
+                    return None  # (its handle says so already)
                 job.started, self._running = True, job
                 if self._waiting is job:
                     self._waiting = None
@@ -264,8 +256,7 @@ class CommitQueue:
             if hold is not None:
                 self.gate.open(hold)
             raise
-        held_by_call.append(time.monotonic() - called)
-        returned.set()
+        call_seconds.set_result(time.monotonic() - called)
         return job.handle
 
     def wait(self) -> Any:

@@ -26,7 +26,7 @@ from ..objects import ObjectStore
 from . import ranks, stats
 from .packs import StoredPacks, store_pieces
 from .plan import CommitPlan, check_new_step, plan_commit
-from .queue import WAIT, CommitHandle, CommitQueue
+from .queue import WAIT, Admission, CommitHandle, CommitQueue
 from .record import build_record, check_metrics, publish
 
 
@@ -247,8 +247,8 @@ def submit_commit(
         # Trainer's save_total_limit deletes old checkpoint folders).
         options["files"] = auxfiles.read(options["files"])
     ranks.use_commit_group()  # background collectives must not mix with training's
-    admission = None if when_busy == WAIT else queue.admit(when_busy, ranks.agree_busy)
-    if admission is not None and admission.skip:
+    admission = Admission(skip=False) if when_busy == WAIT else queue.admit(when_busy, ranks.agree_busy)
+    if admission.skip:
         return queue.skip(step)
     snapshot = take_snapshot()
 
@@ -258,6 +258,4 @@ def submit_commit(
             then()
         return report
 
-    if admission is None:
-        return queue.submit_snapshot(step, engine, snapshot, commit, called)
     return queue.submit_queued(step, engine, snapshot, commit, admission, called)

@@ -228,8 +228,10 @@ def extract(engine: Any, client_state: dict | None = None) -> Snapshot:
     }
     if not pipeline and not parallel.is_tensor_parallel(engine):
         # A Hugging Face model's fused experts: a piece per expert (fused_experts)
-        fused_experts.mark(params, fused := fused_experts.find(engine.module, params))
-        pieces = fused_experts.cut(pieces, params) if fused else pieces
+        fused = fused_experts.find(engine.module, params)
+        if fused:
+            fused_experts.mark(params, fused)
+            pieces = fused_experts.cut(pieces, params)
     if expert_ranks is not None and expert_ranks.ep_size > 1:
         # Each expert-parallel rank describes its own experts: the first of each sends its part.
         description["experts"] = expert_part
