@@ -66,6 +66,14 @@ def zstd_level() -> int:
     return read_int("ZSTD_LEVEL", 1, ZSTD_MIN_LEVEL, ZSTD_MAX_LEVEL)
 
 
+@setting("DELTA_CHAIN", "integer")
+def delta_chain() -> int:
+    """Objects a read decodes for one piece at most: a commit stores a piece that changed as a
+    lossless delta against its previous version (``format.pack``), and whole at least every
+    this many versions. 1 stores every piece whole (no deltas); 1 to 32."""
+    return read_int("DELTA_CHAIN", 4, 1, 32)
+
+
 @setting("MIN_COMPRESS_RATIO", "number")
 def min_compress_ratio() -> float:
     """Store a payload raw unless zstd shrinks it below this fraction of its size (0: always

@@ -202,6 +202,9 @@ class LayerPacks:
     stored piece, ``[tensor, pack, start, numel]`` (indexes into ``tensors`` and ``packs``),
     sorted by tensor and start. Arrays rather than rows: a ZeRO-3 layer on 512 ranks is
     thousands of fragments, and a step's index is read whole before anything is fetched.
+    ``bases`` are the packs that its packs' delta entries need (``format.pack``), their
+    bases' bases included: kept, fetched and checked with the layer, though no fragment
+    is read from them directly.
     """
 
     step: int
@@ -212,13 +215,19 @@ class LayerPacks:
     # Its bytes (format.layerpacks.encode), once decoded from or encoded to them: an index is
     # never changed once built, and compressing one again costs tens of milliseconds.
     encoded: bytes | None = field(default=None, repr=False)
+    bases: list[PackRef] = field(default_factory=list)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LayerPacks):
             return NotImplemented
-        return (self.step, self.layer, self.packs, self.tensors) == (
-            other.step, other.layer, other.packs, other.tensors,
+        return (self.step, self.layer, self.packs, self.tensors, self.bases) == (
+            other.step, other.layer, other.packs, other.tensors, other.bases,
         ) and np.array_equal(self.fragments, other.fragments)  # fmt: skip
+
+    @property
+    def all_packs(self) -> list[PackRef]:
+        """Every pack the layer needs: its own, then its bases."""
+        return [*self.packs, *self.bases]
 
     @property
     def size(self) -> int:

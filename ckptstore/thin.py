@@ -27,6 +27,7 @@ from .catalog.sync import read_manifest
 from .errors import ConflictError
 from .format import layout, manifest, pack
 from .format.layout import manifest_name, pack_name
+from .materialize.bases import DeltaBases
 from .materialize.fetch import fetch_pack_index
 from .model import BUFFER, FP32, PACK, TENSOR, WEIGHT, LayerPacks, PackRef, StepRecord, TensorRow
 from .objects import ObjectStore
@@ -147,8 +148,9 @@ def thin_layer(objects: ObjectStore, index: LayerPacks, *, dry_run: bool = False
     if len(keep) == len(index.tensors):
         return None
     packs, renumber = [], np.full(len(index.packs), -1, dtype=np.int64)
+    bases = DeltaBases(objects, index.bases)
     for p, ref in enumerate(index.packs):
-        new = _thin_pack(objects, ref, masters, dry_run)
+        new = _thin_pack(objects, ref, masters, dry_run, bases)
         if new is not None:
             renumber[p] = len(packs)
             packs.append(new)
@@ -157,11 +159,16 @@ def thin_layer(objects: ObjectStore, index: LayerPacks, *, dry_run: bool = False
     fragments = index.fragments[np.isin(index.fragments[:, TENSOR], keep)].copy()
     fragments[:, TENSOR] = tensor_renumber[fragments[:, TENSOR]]
     fragments[:, PACK] = renumber[fragments[:, PACK]]
-    return LayerPacks(index.step, index.layer, packs, [index.tensors[t] for t in keep], fragments)
+    # A kept delta entry keeps its base: the bases stay, all of them (a few packs at most).
+    return LayerPacks(
+        index.step, index.layer, packs, [index.tensors[t] for t in keep], fragments, bases=list(index.bases)
+    )
 
 
-def _thin_pack(objects: ObjectStore, ref: PackRef, masters: set[str], dry_run: bool) -> PackRef | None:
-    """The pack of ``ref``'s weight entries (None if it holds none)."""
+def _thin_pack(
+    objects: ObjectStore, ref: PackRef, masters: set[str], dry_run: bool, bases: DeltaBases
+) -> PackRef | None:
+    """The pack of ``ref``'s weight entries (None if it holds none); ``bases``: its layer's."""
     if dry_run:
         entries = list(fetch_pack_index(objects, ref).values())
         kept = [e for e in entries if is_weight(e.name, e.kind, masters)]
@@ -179,10 +186,10 @@ def _thin_pack(objects: ObjectStore, ref: PackRef, masters: set[str], dry_run: b
     if not kept:
         return None
     tensors = [
-        pack.decode_entry(data[e.offset :], e, content_hash=objects.content_hash) for e in kept
+        pack.decode_entry(data[e.offset :], e, None, objects.content_hash, bases.of(e)) for e in kept
     ]  # verified before copying
     key, parts, _ = pack.assemble(
-        [(e.name, e.kind, e.start, e.key, [data[e.offset : e.offset + e.length]]) for e in kept],
+        [(*e.contents, [data[e.offset : e.offset + e.length]]) for e in kept],
         objects.content_hash,
     )
     objects.put_if_absent(pack_name(key), parts)

@@ -338,20 +338,21 @@ def test_a_gc_killed_half_way_is_finished_by_the_next_one(tmp_path):
     store_path = tmp_path / "store"
     store = ckptstore.open(store_path)
     engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=3)
-    data = batches(4)
-    for step in range(1, 5):
+    data = batches(6)
+    # Six steps: step 6's deltas need step 5's packs (its chain restarted there), not older ones.
+    for step in range(1, 7):
         train(engine, data[step - 1 : step])
         store.commit(engine, step=step)
-    before = materialized(store, 4, tmp_path / "before")
+    before = materialized(store, 6, tmp_path / "before")
     result = worker("gc-die-after", store_path, 3)
     assert result.returncode == 9, result.stderr[-3000:]
     half = store.verify()
     assert half.ok  # the dropped steps' records went first; what is left are orphans
-    assert store.steps() == [4] and half.orphans
+    assert store.steps() == [6] and half.orphans
     store.gc(grace=0)
     final = store.verify(deep=True)
     assert final.ok and final.orphans == []
-    assert same(materialized(store, 4, tmp_path / "after"), before)
+    assert same(materialized(store, 6, tmp_path / "after"), before)
 
 
 @pytest.mark.either_key  # multi-process: with a key or without, alternating (conftest)

@@ -12,7 +12,7 @@ from ckptstore.model import PackRef
 SHAPES = {"layers.0.q.weight": 8192 * 8192, "layers.0.norm.weight": 8192}
 
 
-def zero3_layer(world_size: int):
+def zero3_layer(world_size: int, bases=()):
     """The packs of a ZeRO-3 layer on ``world_size`` ranks: one a rank, fp32 and two moments."""
     packs = []
     for rank in range(world_size):
@@ -22,7 +22,7 @@ def zero3_layer(world_size: int):
             entries += [(name, kind, "float32", start, count) for kind in ("fp32", "exp_avg", "exp_avg_sq")]
         key = f"{rank:032x}"
         packs.append((PackRef(key, rank, 1000 + rank, 12 * sum(e[4] for e in entries)), entries))
-    return layerpacks.build(7, "layers.0", packs)
+    return layerpacks.build(7, "layers.0", packs, list(bases))
 
 
 def test_an_index_round_trips_and_finds_every_fragment_of_a_tensor():
@@ -43,8 +43,23 @@ def test_a_damaged_or_newer_index_is_refused():
     data = layerpacks.encode(zero3_layer(2))
     with pytest.raises(CorruptError):
         layerpacks.decode(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:], 7, "layers.0")
-    with pytest.raises(UnsupportedError, match="format version 2"):
-        layerpacks.decode(data[:4] + b"\x02" + data[5:], 7, "layers.0")
+    with pytest.raises(UnsupportedError, match="format version 3"):
+        layerpacks.decode(data[:4] + b"\x03" + data[5:], 7, "layers.0")
+
+
+def test_a_layer_without_bases_is_written_as_before_and_one_with_bases_keeps_them():
+    plain = zero3_layer(2)
+    assert layerpacks.encode(plain)[4] == 1  # older readers read it, digests stay as they were
+    bases = [PackRef("b" * 32, 1, 50, 80), PackRef("a" * 32, 0, 40, 80)]
+    index = zero3_layer(2, bases)
+    data = layerpacks.encode(index)
+    assert data[4] == 2
+    decoded = layerpacks.decode(data, 7, "layers.0")
+    assert decoded == index and [ref.key for ref in decoded.bases] == ["a" * 32, "b" * 32]
+    assert decoded.all_packs == [*plain.packs, *decoded.bases]
+    lazy = layerpacks.decode_lazily(data, 7, "layers.0")
+    assert (lazy.size, lazy.raw_size) == (plain.size, plain.raw_size)  # its own packs alone
+    assert lazy.bases == decoded.bases
 
 
 @settings(max_examples=100, deadline=None)

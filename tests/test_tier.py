@@ -205,7 +205,9 @@ def test_the_report_shows_how_long_each_upload_from_the_tier_took(s3, node, engi
     assert all(seconds > 0 for seconds in figures.commit_seconds)
 
 
-def test_local_keep_holds_about_two_steps_locally_while_s3_holds_all_five(s3, node, engine):
+def test_local_keep_holds_about_two_steps_locally_while_s3_holds_all_five(s3, node, engine, monkeypatch):
+    # Whole pieces: with deltas the tier also holds the older packs the kept steps' deltas need.
+    monkeypatch.setenv("CKPTSTORE_DELTA_CHAIN", "1")
     nvme = node("a")
     store = ckptstore.open(s3.uri(), local=nvme, local_keep=2, local_upload="drain")
     sizes = []

@@ -10,14 +10,17 @@ steps (after 2 warm-up steps) four ways in this one process, each from the same 
 - ``store.commit(engine, step, blocking=False, when_busy="latest")`` after every step: training
   waits for the snapshot copy only; a commit still running has the newest snapshot queued
   behind it, replacing an older one not yet started;
-- the same with ``when_busy="wait"`` (each commit waits for the one before);
+- the same with ``when_busy="wait"`` (each commit waits for the one before), so every step is
+  committed, changed tensors as deltas against the step before (the default);
+- ``wait`` again with every piece stored whole (``CKPTSTORE_DELTA_CHAIN=1``): a full commit;
 - DeepSpeed's ``save_checkpoint`` after every step, synced to disk as a commit is (its tag
   folder removed after the next save).
 
 Prints the median step time of each (training plus what the checkpoint call held it) and its
 ratio to no checkpoints, the median training stall the store recorded per commit, the fraction
-of steps that became durable, and the bytes a commit added (median) against the bytes of one
-DeepSpeed save. ``--pin`` puts training on the first CPU and the store's work on the others
+of steps that became durable, the bytes a commit added (median) against the bytes of one
+DeepSpeed save and of a full commit, and the time to materialize the newest step at the end of
+its chain of deltas against the same step stored whole. ``--pin`` puts training on the first CPU and the store's work on the others
 (``CKPTSTORE_BACKGROUND_CPUS``): what a GPU node, whose cores training leaves idle, looks like.
 """
 
@@ -55,13 +58,15 @@ def run(args, work: Path, how: str) -> dict:
     engine = build_bench_engine(args, lr=args.lr, scheduler=False)
     data = batches(WARMUP + args.steps, vocab=args.vocab, seq=args.seq, batch=args.batch)
     train(engine, data[:WARMUP])
-    store = ckptstore.open(work / "store") if how in ("latest", "wait") else None
+    committing = how in ("latest", "wait", "whole")
+    os.environ["CKPTSTORE_DELTA_CHAIN"] = "1" if how == "whole" else ""
+    store = ckptstore.open(work / "store") if committing else None
     seconds, saved = [], []
     for step, batch in enumerate(data[WARMUP:], start=1):
         started = time.perf_counter()
         train(engine, [batch])
         if store is not None:
-            store.commit(engine, step, blocking=False, when_busy=how)
+            store.commit(engine, step, blocking=False, when_busy="wait" if how == "whole" else how)
         elif how == "deepspeed":
             engine.save_checkpoint(str(work / "deepspeed"), tag=f"step{step}")
             fsync_tree(work / "deepspeed" / f"step{step}")  # durable, as a commit is
@@ -78,7 +83,11 @@ def run(args, work: Path, how: str) -> dict:
             stalls=[row.stall_seconds for row in rows if row.stall_seconds is not None],
             added=[row.bytes_added for row in rows],
         )
+        started = time.perf_counter()
+        store.materialize(rows[-1].step, work / "materialized")
+        found["materialize"] = time.perf_counter() - started
         store.close()
+    os.environ["CKPTSTORE_DELTA_CHAIN"] = ""
     destroy_engine(engine)
     return found
 
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="ckptstore-bench-every-step-") as tmp:
-        for how in ("none", "latest", "wait", "deepspeed"):
+        for how in ("none", "latest", "wait", "whole", "deepspeed"):
             runs[how] = run(args, Path(tmp) / how, how)
     median = statistics.median
     base = median(runs["none"]["seconds"])
@@ -119,20 +128,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"A checkpoint every step, {args.steps} steps at lr {args.lr:g} ({where}), medians:")
     print(
-        "| every step | step s | vs no checkpoints | stall s | steps durable | bytes per commit vs DeepSpeed's save |"
+        "| every step | step s | vs no checkpoints | stall s | steps durable | bytes per commit "
+        "vs DeepSpeed's save | vs a full commit |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
-    print(f"| no checkpoints | {base:.3f} | 1.00x | | | |")
-    for how in ("latest", "wait"):
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| no checkpoints | {base:.3f} | 1.00x | | | | |")
+    full = median(runs["whole"]["added"][1:])
+    names = {"latest": "when_busy=latest", "wait": "when_busy=wait", "whole": "when_busy=wait, no deltas"}
+    for how in ("latest", "wait", "whole"):
         found = runs[how]
         step = median(found["seconds"])
         stall = f"{median(found['stalls']):.3f}" if found["stalls"] else "-"
-        print(f"| ckptstore commit, when_busy={how} | {step:.3f} | {step / base:.2f}x | {stall} | "
-              f"{found['committed']}/{args.steps} | {median(found['added']) / deepspeed_bytes:.3f}x |")  # fmt: skip
+        added = median(found["added"][1:])
+        print(f"| ckptstore commit, {names[how]} | {step:.3f} | {step / base:.2f}x | {stall} | "
+              f"{found['committed']}/{args.steps} | {added / deepspeed_bytes:.3f}x | {added / full:.3f}x |")  # fmt: skip
     step = median(runs["deepspeed"]["seconds"])
     print(
-        f"| DeepSpeed save_checkpoint | {step:.3f} | {step / base:.2f}x | | {args.steps}/{args.steps} | 1.000x |"
+        f"| DeepSpeed save_checkpoint | {step:.3f} | {step / base:.2f}x | | {args.steps}/{args.steps} | 1.000x | |"
     )
+    chained, whole = runs["wait"]["materialize"], runs["whole"]["materialize"]
+    print(f"materialize of the newest step: {chained:.2f} s at the end of its chain of deltas, "
+          f"{whole:.2f} s stored whole ({chained / whole:.2f}x)")  # fmt: skip
     print(f"DeepSpeed's save: {deepspeed_bytes / 1e6:.1f} MB; ckptstore's first commit: "
           f"{runs['latest']['added'][0] / 1e6:.1f} MB (a full one)")  # fmt: skip
     return 0

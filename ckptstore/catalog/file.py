@@ -158,7 +158,9 @@ def _rebuild(path: Path, objects: ObjectStore, keep_damaged: bool) -> SyncReport
             for found in batch
         ):
             # A step whose packs a gc swept after its manifest was damaged cannot come back.
-            needed = [b.key for b in record.blobs] + [p.key for i in record.packs.values() for p in i.packs]
+            needed = [b.key for b in record.blobs] + [
+                p.key for i in record.packs.values() for p in i.all_packs
+            ]
             if any(key not in stored for key in needed):
                 report.incomplete.append(record.step)
             elif import_record(catalog, record, generation):

@@ -84,7 +84,7 @@ class LayerPackQueries:
 
     def packs_of_steps(self, steps: Iterable[int]) -> set[str]:
         """Every pack the given steps need, inherited layers included."""
-        return {ref.key for _, index in self._used_layer_packs(list(steps)) for ref in index.packs}
+        return {ref.key for _, index in self._used_layer_packs(list(steps)) for ref in index.all_packs}
 
     def referenced_packs(
         self, problems: list[str] | None = None
@@ -97,4 +97,7 @@ class LayerPackQueries:
             for ref in index.packs:
                 entry = users.setdefault(ref.key, (ref, []))
                 entry[1].append((step, index.layer, f"rank {ref.rank}'s tensors", "pack"))
+            for ref in index.bases:
+                entry = users.setdefault(ref.key, (ref, []))
+                entry[1].append((step, index.layer, f"a base of rank {ref.rank}'s deltas", "pack"))
         return users

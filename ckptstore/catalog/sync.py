@@ -285,7 +285,7 @@ def needs_of(objects: ObjectStore, names: Iterable[str]) -> Needs:
         except UnsupportedError as exc:
             needs.newer[name] = str(exc)
             continue
-        needs.packs.update(ref.key for index in record.packs.values() for ref in index.packs)
+        needs.packs.update(ref.key for index in record.packs.values() for ref in index.all_packs)
         needs.blobs.update(row.key for row in record.blobs)
         needs.files.update(row.key for row in record.files)
     return needs

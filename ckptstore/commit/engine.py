@@ -12,11 +12,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from .. import auxfiles, strategies
+from .. import auxfiles, knobs, strategies
 from ..arguments import check_commit, check_layers, check_step, check_when_busy
 from ..catalog import Catalog
 from ..objects import ObjectStore
 from . import ranks
+from .deltas import Versions
 from .queue import WAIT, CommitHandle, CommitQueue
 from .step import CommitReport, commit_step, submit_commit
 
@@ -42,6 +43,8 @@ class EngineCommits:
         self.catalog = catalog
         self.tier = tier
         self._queue: CommitQueue | None = None  # made on the first non-blocking commit
+        # What this rank committed last: deltas are against it (commit.deltas).
+        self._versions = Versions()
 
     def commit(
         self,
@@ -61,7 +64,8 @@ class EngineCommits:
         step = check_step(step)
         check_commit(engine, client_state)
         check_when_busy(when_busy, blocking)
-        options = dict(layers=check_layers(layers), files=files, metrics=metrics)
+        versions = self._versions if knobs.delta_chain() > 1 else None
+        options = dict(layers=check_layers(layers), files=files, metrics=metrics, versions=versions)
         take_snapshot = functools.partial(extract, engine, client_state)
         if self.tier is not None:
             self.tier.wait_for_room()

@@ -30,6 +30,7 @@ from ..layers import layer_of
 from ..model import PackRef, Piece
 from ..objects import FileRange, ObjectStore, data_size
 from .background import lower_thread_priority, thread_niceness
+from .deltas import Version, Versions
 
 # (name, kind, dtype, start, numel) of one tensor in a pack: what the layer's index records.
 Entry = tuple[str, str, str, int, int]
@@ -37,15 +38,19 @@ Entry = tuple[str, str, str, int, int]
 
 @dataclass
 class StoredPacks:
-    """What storing one rank's pieces gave: per layer its packs with their entries, and the packs
-    this call created (key -> stored size; the others already existed)."""
+    """What storing one rank's pieces gave: per layer its packs with their entries and the base
+    packs their deltas need, and the packs this call created (key -> stored size; the others
+    already existed)."""
 
     layers: dict[str, list[tuple[PackRef, list[Entry]]]] = field(default_factory=dict)
     created: dict[str, int] = field(default_factory=dict)
+    bases: dict[str, list[PackRef]] = field(default_factory=dict)
 
     def object_names(self) -> dict[str, int]:
-        """Every pack these pieces are in (object name -> stored size), created or found."""
-        return {pack_name(ref.key): ref.size for packs in self.layers.values() for ref, _ in packs}
+        """Every pack these pieces are in or need (object name -> stored size), created or found."""
+        names = {pack_name(ref.key): ref.size for packs in self.layers.values() for ref, _ in packs}
+        names.update((pack_name(ref.key), ref.size) for refs in self.bases.values() for ref in refs)
+        return names
 
     @property
     def tensors(self) -> int:
@@ -60,12 +65,15 @@ def store_pieces(
     *,
     background: bool = False,
     layer: Callable[[Piece], str] | None = None,
+    versions: Versions | None = None,
 ) -> StoredPacks:
     """Store every piece that is not ``redundant`` in packs of its layer; durable when it returns.
 
     ``background`` (a non-blocking commit) runs the work at a lower CPU priority. ``layer``:
-    a piece's layer, when the layer rule on its name (``layers.layer_of``) is not it. Raises
-    what the object store raises (nothing is recorded anyway).
+    a piece's layer, when the layer rule on its name (``layers.layer_of``) is not it.
+    ``versions``: this rank's previous commit, to store what changed as deltas against
+    (``commit.deltas``), updated to this one; None stores every piece whole. Raises what the
+    object store raises (nothing is recorded anyway).
     """
     cpus = knobs.background_cpus() if background else None
     threads = knobs.cpu_threads() if cpus is None else min(knobs.cpu_threads(), len(cpus))
@@ -80,18 +88,40 @@ def store_pieces(
                 else codec.tensor_key(piece.tensor, content_hash=objects.content_hash)
             )
 
-    def encode(members: list[tuple[Piece, str]], fd: int) -> tuple[bytes, int]:
+    def encode(members: list[tuple[Piece, str]], bases: list[Version | None], fd: int) -> tuple[bytes, int]:
         with cpu:
             return pack.spill(
-                [(p.name, p.kind, p.start, p.tensor) for p, _ in members], [k for _, k in members], fd
+                [(p.name, p.kind, p.start, p.tensor) for p, _ in members],
+                [k for _, k in members],
+                fd,
+                [None if base is None else (base.pack, base.raw) for base in bases],
             )
 
-    def store(members: list[tuple[Piece, str]]) -> tuple[PackRef, list[Entry], bool]:
-        key = pack.pack_key([(p.name, p.kind, p.start, k) for p, k in members], objects.content_hash)
+    chain = knobs.delta_chain()
+    fresh: dict[str, bool] = {}  # base packs found still stored (or not) by this commit
+
+    def plan(members: list[tuple[Piece, str]]) -> list[Version | None]:
+        if versions is None:
+            return [None] * len(members)
+        bases = [versions.plan(p, k, chain) for p, k in members]
+        stored = versions.freshen(objects, {b.pack for b in bases if b is not None}, fresh)
+        return [b if b is not None and b.pack in stored else None for b in bases]
+
+    def store(members: list[tuple[Piece, str]]) -> tuple[PackRef, list[Entry], bool, tuple[PackRef, ...]]:
+        found = None if versions is None else versions.unchanged_pack(members)
+        if found is not None and versions.freshen(objects, {found.ref.key}, fresh):
+            # An unchanged layer: its pack as last committed, deltas and all (its versions stand).
+            return found.ref, _entries(members), False, found.chain
+        bases = plan(members)
+        contents = [
+            (p.name, p.kind, p.start, k) if b is None else (p.name, p.kind, p.start, k, b.pack)
+            for (p, k), b in zip(members, bases, strict=True)
+        ]
+        key = pack.pack_key(contents, objects.content_hash)
         raw_size = sum(p.nbytes for p, _ in members)
         # Hashing is cheap, compressing is not: an existing pack is only freshened.
         size = objects.touch(pack_name(key))
-        created = False
+        created, written = False, None
         if size is None:
             # Each blob goes to a spill file as soon as it is encoded, and the pack is copied
             # from there into its object: memory holds the blob being encoded, not the pack.
@@ -100,17 +130,19 @@ def store_pieces(
             # grew the process by several packs' worth (measured: 391 MB against 128 MB).
             try:
                 with tempfile.TemporaryFile(dir=objects.spill_directory, buffering=0) as body:
-                    head, length = encoder.submit(encode, members, body.fileno()).result()
+                    head, length = encoder.submit(encode, members, bases, body.fileno()).result()
+                    written = pack.parse_index(head)
                     parts = [head, FileRange(body.fileno(), 0, length)]
                     created = objects.put_if_absent(pack_name(key), parts)
                     size = data_size(parts)
             except OSError as exc:  # the spill file's disk is full, read-only, past ulimit -f
                 spill = objects.spill_directory or tempfile.gettempdir()
                 raise storage_error(f"spill pack {pack_name(key)} into", spill, exc) from None
-        entries = [
-            (p.name, p.kind, codec.dtype_name(p.tensor.dtype), p.start, p.tensor.numel()) for p, _ in members
-        ]
-        return PackRef(key, rank, size, raw_size), entries, created
+        ref = PackRef(key, rank, size, raw_size)
+        used = versions.chain_of({b.pack for b in bases if b is not None}) if versions is not None else ()
+        if versions is not None:
+            versions.record(ref, members, bases, written, used, keep=True)
+        return ref, _entries(members), created, used
 
     # Encoding threads are started by I/O threads, already lowered: both take the caller's level.
     initializer = functools.partial(lower_thread_priority, thread_niceness()) if background else None
@@ -125,11 +157,20 @@ def store_pieces(
         tasks = {i: pool.submit(store, groups[i][1]) for i in order}
         stored = StoredPacks()
         for i, (layer, _) in enumerate(groups):
-            ref, entries, created = tasks[i].result()
+            ref, entries, created, bases = tasks[i].result()
             stored.layers.setdefault(layer, []).append((ref, entries))
+            if bases:
+                stored.bases.setdefault(layer, []).extend(bases)
             if created:
                 stored.created[ref.key] = ref.size
+    if versions is not None:
+        versions.forget_packs_unused()
     return stored
+
+
+def _entries(members: list[tuple[Piece, str]]) -> list[Entry]:
+    """What the layer's index records of the pack of ``members``."""
+    return [(p.name, p.kind, codec.dtype_name(p.tensor.dtype), p.start, p.tensor.numel()) for p, _ in members]
 
 
 def _pack_groups(

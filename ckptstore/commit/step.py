@@ -24,6 +24,7 @@ from ..layers import layer_of
 from ..model import FileRow, LayerPacks, QueueFigures, Snapshot
 from ..objects import ObjectStore
 from . import ranks, stats
+from .deltas import Versions
 from .packs import StoredPacks, store_pieces
 from .plan import CommitPlan, check_new_step, plan_commit
 from .queue import WAIT, Admission, CommitHandle, CommitQueue
@@ -58,8 +59,11 @@ class _RankShare:
 class _RankCommit:
     """This rank's part of one commit, phase by phase; what a phase learns stays on this rank."""
 
-    def __init__(self, objects: ObjectStore, catalog: Catalog, step: int, background: bool) -> None:
+    def __init__(
+        self, objects: ObjectStore, catalog: Catalog, step: int, background: bool, versions: Versions | None
+    ) -> None:
         self.objects, self.catalog, self.step, self.background = objects, catalog, step, background
+        self.versions = versions
         self.rank_zero = ranks.world()[0] == 0
         self.snapshot: Snapshot | None = None
         self.file_entries: auxfiles.Entries | None = None
@@ -97,7 +101,9 @@ class _RankCommit:
         self.plan = plan = plan_commit(self.catalog, self.step, description, samples, selection)
         saved = set(plan.saved)
         pieces = [p for p in snapshot.pieces if layer_of(p.name) in saved]
-        stored = store_pieces(self.objects, snapshot.rank, pieces, background=self.background)
+        stored = store_pieces(
+            self.objects, snapshot.rank, pieces, background=self.background, versions=self.versions
+        )
         if self.rank_zero:
             self.samples = {name: s for name, s in samples.items() if layer_of(name) in saved}
         files = auxfiles.store(self.objects, self.file_entries) if self.file_entries is not None else None
@@ -136,6 +142,7 @@ def commit_step(
     metrics: Mapping[str, float] | None = None,
     background: bool = False,
     queued: Callable[[], QueueFigures] | None = None,
+    versions: Versions | None = None,
 ) -> CommitReport:
     """Commit what ``take_snapshot()`` returns on every rank as ``step``; durable when it returns.
 
@@ -143,12 +150,13 @@ def commit_step(
     nothing recorded. ``layers`` chooses the saved layers (``commit.plan.plan_commit``);
     ``files`` are kept with the step (None keeps the previous step's); ``metrics`` (rank 0's)
     are recorded with it; ``background`` lowers the CPU priority; ``queued``: what the queue of
-    a non-blocking commit measured and decided, recorded with it. Raises ConflictError, on every
+    a non-blocking commit measured and decided, recorded with it; ``versions``: this rank's
+    previous commit, what changed since is stored as deltas against (``commit.deltas``). Raises ConflictError, on every
     rank, if another writer committed the step first (its objects are left as they are).
     """
     what = f"commit of step {step}"
     started = time.monotonic()
-    own = _RankCommit(objects, catalog, step, background)
+    own = _RankCommit(objects, catalog, step, background, versions)
 
     def sample() -> Any:
         # Inside the first collective step: a rank whose own catalog cannot be written (its
@@ -211,7 +219,10 @@ def _layer_indexes(step: int, saved: list[str], shares: list[_RankShare]) -> dic
     """The fragment index of every saved layer, from every rank's packs in rank order."""
     return {
         layer: layerpacks.build(
-            step, layer, [p for share in shares for p in share.stored.layers.get(layer, [])]
+            step,
+            layer,
+            [p for share in shares for p in share.stored.layers.get(layer, [])],
+            [b for share in shares for b in share.stored.bases.get(layer, [])],
         )
         for layer in saved
     }

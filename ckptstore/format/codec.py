@@ -10,6 +10,10 @@ element regrouped by significance, then one zstd frame), or ZSTD_PLANES: the sam
 one *plane* per byte position, each stored as ``u8 compressed? u64 length data``. Exponent
 planes of floats are alike and compress well; low mantissa planes are noise, and a sample
 tells which is which, so noise is stored raw without spending time compressing it.
+XOR_PLANES is a *delta*: ZSTD_PLANES of the tensor's bytes XOR those of its *base*, the same
+tensor's previous version (of the same dtype and shape). The blob cannot be read without the
+base: whoever points at the blob names it (``pack``: the entry's base pack), and the key is
+still that of the tensor itself, so a delta decodes to exactly what a full blob would.
 The key is the store's content hash (``ckptstore.hashing``: xxh3-128, or keyed BLAKE3 with a
 key) of the dtype, the shape and the *uncompressed* bytes, so it does not depend on the codec,
 and every decode re-hashes and compares.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +39,11 @@ from .config import check_version
 
 MAGIC = b"CKPB"
 FORMAT_VERSION = 1
-RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES = 0, 1, 2, 3
-CODECS = (RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES)
+RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES, XOR_PLANES = 0, 1, 2, 3, 4
+CODECS = (RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES, XOR_PLANES)
+# The raw bytes of a delta's base (uint8), asked for when needed with how many the delta's
+# tensor holds: what the base must hold too, checked before anything is allocated for it.
+Base = Callable[[int], np.ndarray]
 # Only plain numeric dtypes ever become blobs; anything else is refused rather than guessed.
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -146,6 +153,23 @@ def encode_parts(
     return key, [_header(codec, dtype, shape, size), *payload]
 
 
+def encode_delta_parts(
+    tensor: torch.Tensor, base: np.ndarray, key: str | None = None, content_hash: ContentHash = PLAIN
+) -> tuple[str, list]:
+    """Encode a host tensor as a delta against ``base`` (the raw bytes of its previous version,
+    of the same dtype and shape): ``(key, buffers)`` as ``encode_parts`` gives them, the key
+    being the tensor's own. The XOR of two versions of a trained tensor keeps the bits that did
+    not move as zeros: its sign and exponent planes compress to almost nothing."""
+    dtype = dtype_name(tensor.dtype)
+    raw = raw_bytes(tensor)
+    if base.dtype != np.uint8 or base.size != raw.size:
+        raise ValueError(f"a delta's base holds {base.size} bytes, its tensor {raw.size}")
+    key = tensor_key(tensor, raw, content_hash) if key is None else key
+    itemsize = tensor.element_size()
+    payload = planes.encode_planes(planes.split_planes(np.bitwise_xor(raw, base), itemsize))
+    return key, [_header(XOR_PLANES, dtype, tuple(tensor.shape), raw.size), *payload]
+
+
 def parse_header(blob: bytes | memoryview) -> BlobInfo:
     """Read and validate a blob header; raises CorruptError on anything malformed."""
     view = memoryview(blob)
@@ -192,6 +216,7 @@ def decode(
     key: str | None = None,
     raw_size: int | None = None,
     content_hash: ContentHash = PLAIN,
+    base: Base | None = None,
 ) -> torch.Tensor:
     """Decode blob bytes into a tensor; when ``key`` is given, verify that the content hashes
     to it by ``content_hash`` (the store's).
@@ -199,6 +224,7 @@ def decode(
     ``raw_size``: the uncompressed size the blob's referrer records; the header must declare
     exactly that before anything is allocated (``check_raw_size``). Without it a RAW blob is
     still held to its payload's length, but a compressed one is trusted up to its header.
+    ``base``: where a delta's base comes from (a delta without one is CorruptError).
     Raises CorruptError if the bytes are malformed, the payload does not decompress to the
     recorded size, or the content does not hash to ``key``.
     """
@@ -208,7 +234,7 @@ def decode(
     if info.codec == RAW and payload != info.raw_size:
         raise CorruptError(f"blob payload holds {payload} bytes, header says {info.raw_size}")
     tensor = torch.empty(info.shape, dtype=DTYPES[info.dtype])
-    decode_into(blob, key, tensor, content_hash)
+    decode_into(blob, key, tensor, content_hash, base)
     return tensor
 
 
@@ -217,12 +243,14 @@ def decode_into(
     key: str | None,
     out: torch.Tensor,
     content_hash: ContentHash = PLAIN,
+    base: Base | None = None,
 ) -> None:
     """Decode blob bytes straight into ``out`` (contiguous, of the blob's element count, any
     shape) and, when ``key`` is given, verify them against it by ``content_hash`` (the
     store's): ``decode`` without allocating.
     ``out`` has the blob's dtype or, for a floating blob, another floating dtype: the tensor is
     then cast as ``Tensor.to`` casts (bit for bit), and the key checked over its stored bytes.
+    ``base``: as for ``decode``.
 
     Raises CorruptError as ``decode`` does, and if ``out`` does not fit the blob.
     """
@@ -249,10 +277,13 @@ def decode_into(
             else:
                 planes.join_planes(list(stored), dtype, out.reshape(-1), digest)
         else:
-            raw = np.frombuffer(
-                payload if info.codec == RAW else zstd.unzstd(payload, info.raw_size, "the blob payload"),
-                dtype=np.uint8,
-            )
+            if info.codec == XOR_PLANES:
+                raw = _undelta(payload, info, base)
+            else:
+                raw = np.frombuffer(
+                    payload if info.codec == RAW else zstd.unzstd(payload, info.raw_size, "the blob payload"),
+                    dtype=np.uint8,
+                )
             if raw.size != info.raw_size:
                 raise CorruptError(f"blob payload holds {raw.size} bytes, header says {info.raw_size}")
             if info.codec == ZSTD_GROUPED:
@@ -269,12 +300,38 @@ def decode_into(
         raise CorruptError(f"blob content does not hash to its key {key}")
 
 
+def check_delta_layout(blob: bytes | memoryview) -> None:
+    """What of a delta blob can be checked without its base: its header, and its planes'
+    layout (nothing decompressed). CorruptError otherwise, also for a blob that is no delta."""
+    info = parse_header(blob)
+    if info.codec != XOR_PLANES:
+        raise CorruptError("the blob is no delta")
+    itemsize = DTYPES[info.dtype].itemsize
+    planes.check_layout(memoryview(blob)[info.header_size :], itemsize, info.raw_size // itemsize)
+
+
+def _undelta(payload: memoryview, info: BlobInfo, base: Base | None) -> np.ndarray:
+    """The raw bytes of a XOR_PLANES blob: its planes joined, XOR its base's bytes."""
+    if base is None:
+        raise CorruptError("a delta blob is read without its base")
+    itemsize = DTYPES[info.dtype].itemsize
+    count = info.raw_size // itemsize
+    raw = np.empty((count, itemsize), dtype=np.uint8)
+    planes.store_planes(planes.read_planes(payload, itemsize, count), raw)
+    raw = raw.reshape(-1)
+    before = base(raw.size)
+    if before.dtype != np.uint8 or before.size != raw.size:
+        raise CorruptError(f"a delta's base holds {before.size} bytes, the delta {raw.size}")
+    return np.bitwise_xor(raw, before, out=raw)
+
+
 def decode_pieces(
     blob: bytes | memoryview,
     key: str | None,
     dtype: torch.dtype,
     raw_size: int | None = None,
     content_hash: ContentHash = PLAIN,
+    base: Base | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """The blob's elements as ``(first element, 1-D tensor)`` pieces in element order, of
     ``dtype``: the blob's or, for a floating blob, another floating dtype (cast as ``Tensor.to``
@@ -285,7 +342,8 @@ def decode_pieces(
     A piece is memory reused for the next (``planes.decode_pieces``, ZSTD_PLANES blobs): a
     caller writing a tensor out holds a piece of it in memory, never all of it. Other codecs
     are decoded whole first. Raises CorruptError as ``decode_into`` does, perhaps after some
-    pieces: nothing handed out is to be trusted until the iteration has ended.
+    pieces: nothing handed out is to be trusted until the iteration has ended. A delta
+    (``base`` as for ``decode``) is decoded whole.
     """
     info = parse_header(blob)
     check_raw_size(info, raw_size)
@@ -294,7 +352,7 @@ def decode_pieces(
     if dtype != stored and not (dtype.is_floating_point and stored.is_floating_point):
         raise CorruptError(f"blob of {info.dtype} cannot be decoded as {dtype}")
     if info.codec != ZSTD_PLANES:
-        yield 0, cast(decode(blob, key, raw_size, content_hash).reshape(-1), dtype)
+        yield 0, cast(decode(blob, key, raw_size, content_hash, base).reshape(-1), dtype)
         return
     digest = None if key is None else _key_digest(info.dtype, info.shape, content_hash)
     try:

@@ -11,6 +11,10 @@ and the names of its tensors once. Layout::
         n x 16 bytes   pack keys
         int64 x n      pack ranks, stored sizes, raw sizes
         int64 x m      tensor index (delta), pack index (delta), gap before the fragment, numel
+
+Version 2, written only for a layer whose packs hold deltas, adds ``"bases": b`` to the head
+and the b base packs (``LayerPacks.bases``) after its n packs, in the keys and in each of the
+three pack columns; a layer with no bases is written as version 1, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -29,19 +33,26 @@ from . import zstd
 from .config import check_version
 
 MAGIC = b"CKLP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_PLAIN_VERSION = 1  # no bases
 _PREAMBLE = struct.Struct("<4sB")
 _LENGTH = struct.Struct("<I")
 _INT = np.dtype("<i8")
 # The head names the layer's tensors (about 60 bytes each): no layer ckptstore writes comes close.
 _MAX_HEAD = 1 << 22
+# A pack's deltas need a chain of bases (``knobs.delta_chain`` long at most): no more than this.
+_MAX_BASES_PER_PACK = 64
 
 
 def build(
-    step: int, layer: str, packs: list[tuple[PackRef, list[tuple[str, str, str, int, int]]]]
+    step: int,
+    layer: str,
+    packs: list[tuple[PackRef, list[tuple[str, str, str, int, int]]]],
+    bases: list[PackRef] = (),
 ) -> LayerPacks:
     """The index of ``layer`` saved at ``step`` from its packs, each with its entries
-    ``(name, kind, dtype, start, numel)``. Packs are kept in the order given."""
+    ``(name, kind, dtype, start, numel)``, and the ``bases`` their deltas need. Packs are
+    kept in the order given, bases by key."""
     tensors: dict[tuple[str, str, str], int] = {}
     rows = []
     for index, (_, entries) in enumerate(packs):
@@ -53,7 +64,11 @@ def build(
     fragments = np.array([(renumber[t], p, s, n) for t, p, s, n in rows], dtype=np.int64).reshape(-1, 4)
     if len(fragments):
         fragments = fragments[np.lexsort((fragments[:, START], fragments[:, TENSOR]))]
-    return LayerPacks(step, layer, [ref for ref, _ in packs], [names[t] for t in order], fragments)
+    unique = {ref.key: ref for ref in bases}
+    return LayerPacks(
+        step, layer, [ref for ref, _ in packs], [names[t] for t in order], fragments,
+        bases=[unique[key] for key in sorted(unique)],
+    )  # fmt: skip
 
 
 def encode(index: LayerPacks) -> bytes:
@@ -68,24 +83,26 @@ def encode(index: LayerPacks) -> bytes:
 
 def _encode(index: LayerPacks) -> bytes:
     frags = index.fragments
-    head = json.dumps(
-        {"tensors": [list(t) for t in index.tensors], "packs": len(index.packs), "fragments": len(frags)},
-        separators=(",", ":"),
-    ).encode()
+    fields = {"tensors": [list(t) for t in index.tensors], "packs": len(index.packs), "fragments": len(frags)}
+    if index.bases:
+        fields["bases"] = len(index.bases)
+    head = json.dumps(fields, separators=(",", ":")).encode()
     tensor, pack, start, numel = (frags[:, c] for c in (TENSOR, PACK, START, NUMEL))
+    refs = [*index.packs, *index.bases]
     body = [
         _LENGTH.pack(len(head)),
         head,
-        b"".join(bytes.fromhex(p.key) for p in index.packs),
-        np.array([[p.rank for p in index.packs], [p.size for p in index.packs],
-                  [p.raw_size for p in index.packs]], dtype=_INT).tobytes(),
+        b"".join(bytes.fromhex(p.key) for p in refs),
+        np.array([[p.rank for p in refs], [p.size for p in refs],
+                  [p.raw_size for p in refs]], dtype=_INT).tobytes(),
         np.diff(tensor, prepend=0).astype(_INT).tobytes(),
         np.diff(pack, prepend=0).astype(_INT).tobytes(),
         (start - _previous_ends(tensor, start, numel)).astype(_INT).tobytes(),
         numel.astype(_INT).tobytes(),
     ]  # fmt: skip
     compressor = zstandard.ZstdCompressor(level=9, write_checksum=True)
-    return _PREAMBLE.pack(MAGIC, FORMAT_VERSION) + compressor.compress(b"".join(body))
+    version = FORMAT_VERSION if index.bases else _PLAIN_VERSION
+    return _PREAMBLE.pack(MAGIC, version) + compressor.compress(b"".join(body))
 
 
 def decode(
@@ -102,8 +119,9 @@ def decode(
     """
     data = bytes(data)  # kept as the index's ``encoded``; no copy of what is bytes already
     what, tensors, n, m, keys, ints = _parse(data, step, layer, numels)
-    ranks, sizes, raws = ints[:n], ints[n : 2 * n], ints[2 * n : 3 * n]
-    tensor, pack, gap, numel = (ints[3 * n + i * m : 3 * n + (i + 1) * m] for i in range(4))
+    t = len(keys) // 16  # its packs, then its bases
+    ranks, sizes, raws = ints[:t], ints[t : 2 * t], ints[2 * t : 3 * t]
+    tensor, pack, gap, numel = (ints[3 * t + i * m : 3 * t + (i + 1) * m] for i in range(4))
     tensor, pack = np.cumsum(tensor), np.cumsum(pack)
     start = _starts(tensor, gap, numel)
     fragments = np.stack([tensor, pack, start, numel], axis=1) if m else np.zeros((0, 4), dtype=np.int64)
@@ -116,16 +134,18 @@ def decode(
         if np.any((limit >= 0) & ((start < 0) | (start + numel > limit))):
             raise CorruptError(f"{what} has fragments past the end of their parameters")
     hexed = keys.hex()
-    packs = list(
+    refs = list(
         map(
             PackRef,
-            [hexed[i : i + 32] for i in range(0, 32 * n, 32)],
+            [hexed[i : i + 32] for i in range(0, 32 * t, 32)],
             ranks.tolist(),
             sizes.tolist(),
             raws.tolist(),
         )
     )
-    return LayerPacks(step, layer, packs, tensors, fragments.astype(np.int64), encoded=data)
+    return LayerPacks(
+        step, layer, refs[:n], tensors, fragments.astype(np.int64), encoded=data, bases=refs[n:]
+    )
 
 
 class EncodedLayerPacks(LayerPacks):
@@ -140,10 +160,15 @@ class EncodedLayerPacks(LayerPacks):
 
     def __getattr__(self, name: str):
         # Only called for attributes not set yet: the decoded fields.
-        if name not in ("packs", "tensors", "fragments") or "encoded" not in self.__dict__:
+        if name not in ("packs", "tensors", "fragments", "bases") or "encoded" not in self.__dict__:
             raise AttributeError(name)
         full = decode(self.encoded, self.step, self.layer, self._numels)
-        self.packs, self.tensors, self.fragments = full.packs, full.tensors, full.fragments
+        self.packs, self.tensors, self.fragments, self.bases = (
+            full.packs,
+            full.tensors,
+            full.fragments,
+            full.bases,
+        )
         return getattr(self, name)
 
     @property
@@ -162,10 +187,11 @@ def decode_lazily(
     when first used (``EncodedLayerPacks``): now only its frame, head and sizes. CorruptError,
     UnsupportedError as ``decode`` for those; its fragments raise them on first use."""
     data = bytes(data)
-    _, _, n, _, _, ints = _parse(data, step, layer, numels)
+    _, _, n, _, keys, ints = _parse(data, step, layer, numels)
+    t = len(keys) // 16  # its packs, then its bases
     index = EncodedLayerPacks.__new__(EncodedLayerPacks)
     index.step, index.layer, index.encoded, index._numels = step, layer, data, numels
-    index._sizes = (int(ints[n : 2 * n].sum()), int(ints[2 * n : 3 * n].sum()))
+    index._sizes = (int(ints[t : t + n].sum()), int(ints[2 * t : 2 * t + n].sum()))
     return index
 
 
@@ -180,7 +206,10 @@ def _parse(
     check_version(what, data[4], FORMAT_VERSION)
     frame = data[_PREAMBLE.size :]
     try:
-        length, tensors, n, m = _head(frame, numels)
+        length, tensors, n, m, b = _head(frame, numels)
+        if b and data[4] < FORMAT_VERSION:
+            raise CorruptError(f"a version {data[4]} index declares bases")
+        n += b  # the keys and pack columns hold its bases after its packs
         size = _LENGTH.size + length + 40 * n + 32 * m
         if zstd.frame_size(frame) != size:
             raise CorruptError(f"its frame does not hold the {n} packs and {m} fragments its head declares")
@@ -195,7 +224,7 @@ def _parse(
         raise CorruptError(f"{what} is malformed ({clip(str(exc))})") from None
     except (zstandard.ZstdError, ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:
         raise CorruptError(f"{what} is malformed ({clip(repr(exc))})") from None
-    return what, tensors, n, m, keys, ints
+    return what, tensors, n - b, m, keys, ints
 
 
 def numels(description: object) -> dict[str, int]:
@@ -218,24 +247,28 @@ def numels(description: object) -> dict[str, int]:
     return numels
 
 
-def _head(frame: bytes, numels: Mapping[str, int] | None) -> tuple[int, list[tuple[str, str, str]], int, int]:
-    """``(len(head), tensors, packs, fragments)`` from the start of the frame, decompressing only
-    the head, its counts checked against ``numels`` (see ``decode``)."""
+def _head(
+    frame: bytes, numels: Mapping[str, int] | None
+) -> tuple[int, list[tuple[str, str, str]], int, int, int]:
+    """``(len(head), tensors, packs, fragments, bases)`` from the start of the frame,
+    decompressing only the head, its counts checked against ``numels`` (see ``decode``)."""
     (length,) = _LENGTH.unpack(zstd.peek_frame(frame, _LENGTH.size).ljust(_LENGTH.size, b"\0"))
     if length > _MAX_HEAD:
         raise CorruptError(f"its head of {length} bytes is implausibly large")
     head = json.loads(zstd.peek_frame(frame, _LENGTH.size + length)[_LENGTH.size :])
     tensors = [(str(n), str(k), str(d)) for n, k, d in head["tensors"]]
-    n, m = head["packs"], head["fragments"]
-    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in (n, m)):
+    n, m, b = head["packs"], head["fragments"], head.get("bases", 0)
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in (n, m, b)):
         raise CorruptError("its head declares no valid counts")
+    if b > _MAX_BASES_PER_PACK * n:
+        raise CorruptError(f"its head declares {b} bases for {n} packs")
     if numels is not None:
         most = sum(max(1, numels.get(name, 1)) for name, _, _ in tensors)
         if m > most or n > m:
             raise CorruptError(
                 f"its head declares {n} packs and {m} fragments; its {len(tensors)} tensors have room for {most}"
             )
-    return length, tensors, n, m
+    return length, tensors, n, m, b
 
 
 def _previous_ends(tensor: np.ndarray, start: np.ndarray, numel: np.ndarray) -> np.ndarray:

@@ -9,10 +9,13 @@ a step has ranks x layers objects. Layout (integers little-endian)::
 The index is canonical JSON: ``[[name, kind, start, key, offset, length], ...]`` in entry order,
 where ``key`` is the entry tensor's content key (``codec.tensor_key``) and ``offset``/``length``
 place its blob (a ``codec`` blob, self-describing) in the pack, counted from the pack's first
-byte. The pack's key is the store's content hash (``format.hashing``) of its *contents*, ``[[name, kind, start, key], ...]``:
-equal contents make equal packs whatever the codec made of them, so a commit knows a pack's
-key, and whether the store has it, before compressing anything, and an unchanged layer is
-stored once.
+byte. An entry stored as a delta (``codec.XOR_PLANES``) has a seventh column, its *base*: the
+key of the pack holding the same tensor's (name, kind, start) previous version.
+The pack's key is the store's content hash (``format.hashing``) of its *contents*, ``[[name, kind, start, key], ...]``
+(``[name, kind, start, key, base]`` for a delta): equal contents make equal packs whatever
+the codec made of them, so a commit knows a pack's key, and whether the store has it, before
+compressing anything, and an unchanged layer is stored once. A delta's base is part of what
+the key covers, so the index names bases that the pack key vouches for.
 
 Reading one entry needs the first 9 bytes, the index, and that entry's range; every entry read
 re-hashes its tensor, ``parse_index`` checks the index against the pack key, and the entries
@@ -24,15 +27,19 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import CorruptError, clip
 from ..hashing import PLAIN, ContentHash
 from . import codec
 from .config import check_version
+
+# Where a delta entry's base comes from: None for an entry stored whole.
+Bases = Callable[["Entry"], "codec.Base | None"]
 
 MAGIC = b"CKPK"
 FORMAT_VERSION = 1
@@ -52,11 +59,19 @@ class Entry:
     key: str
     offset: int
     length: int
+    base: str | None = None  # the key of the pack of its base (a delta), else None
+
+    @property
+    def contents(self) -> tuple:
+        """What of it the pack key covers: ``(name, kind, start, key)``, and ``base`` if any."""
+        row = (self.name, self.kind, self.start, self.key)
+        return row if self.base is None else (*row, self.base)
 
 
-def pack_key(contents: list[tuple[str, str, int, str]], content_hash: ContentHash = PLAIN) -> str:
-    """The key of a pack holding ``(name, kind, start, content key)`` entries in this order:
-    32 hex digits of ``content_hash`` (the store's) over their canonical JSON."""
+def pack_key(contents: list[tuple], content_hash: ContentHash = PLAIN) -> str:
+    """The key of a pack holding ``(name, kind, start, content key)`` entries in this order
+    (``(..., base pack key)`` for a delta): 32 hex digits of ``content_hash`` (the store's)
+    over their canonical JSON."""
     return content_hash.key_of(json.dumps([list(c) for c in contents], separators=(",", ":")).encode())
 
 
@@ -85,14 +100,13 @@ def encode_parts(
     )
 
 
-def assemble(
-    items: list[tuple[str, str, int, str, list]], content_hash: ContentHash = PLAIN
-) -> tuple[str, list, list[Entry]]:
-    """One pack of already encoded entries ``(name, kind, start, content key, blob buffers)``:
-    ``(key, buffers, entries)`` as ``encode_parts`` returns them. Thinning a pack (``thin``)
-    copies the entries it keeps this way, byte for byte."""
+def assemble(items: list[tuple], content_hash: ContentHash = PLAIN) -> tuple[str, list, list[Entry]]:
+    """One pack of already encoded entries ``(name, kind, start, content key, blob buffers)``
+    (``(..., base pack key, blob buffers)`` for a delta): ``(key, buffers, entries)`` as
+    ``encode_parts`` returns them. Thinning a pack (``thin``) copies the entries it keeps
+    this way, byte for byte."""
     sizes = [sum(memoryview(part).nbytes for part in parts) for *_, parts in items]
-    contents = [(name, kind, start, key) for name, kind, start, key, _ in items]
+    contents = [tuple(item[:-1]) for item in items]
     key, head, entries = head_for(contents, sizes, content_hash)
     parts = [head]
     for *_, blob_parts in items:
@@ -100,26 +114,40 @@ def assemble(
     return key, parts, entries
 
 
-def spill(tensors: list[tuple[str, str, int, torch.Tensor]], keys: list[str], fd: int) -> tuple[bytes, int]:
+def spill(
+    tensors: list[tuple[str, str, int, torch.Tensor]],
+    keys: list[str],
+    fd: int,
+    bases: list[tuple[str, np.ndarray] | None] | None = None,
+) -> tuple[bytes, int]:
     """Encode ``(name, kind, start, tensor)`` items (content ``keys`` known) one at a time,
     appending each blob to the open file ``fd`` as soon as it is encoded, so memory holds one
     blob, never the whole pack: ``(head, body length)``. The pack is ``head`` followed by the
-    file's first ``body length`` bytes; its key is ``pack_key`` of the contents."""
+    file's first ``body length`` bytes; its key is ``pack_key`` of the contents.
+    ``bases``: per item, None (stored whole) or ``(base pack key, the base's raw bytes)``:
+    stored as a delta against them (``codec.encode_delta_parts``)."""
+    bases = bases or [None] * len(tensors)
     sizes = []
-    for (_, _, _, tensor), key in zip(tensors, keys, strict=True):
-        _, parts = codec.encode_parts(tensor, key)
+    for (_, _, _, tensor), key, base in zip(tensors, keys, bases, strict=True):
+        if base is None:
+            _, parts = codec.encode_parts(tensor, key)
+        else:
+            _, parts = codec.encode_delta_parts(tensor, base[1], key)
         views = [memoryview(part).cast("B") for part in parts]
         sizes.append(sum(view.nbytes for view in views))
         for view in views:
             while view.nbytes:
                 view = view[os.write(fd, view) :]
         del parts, views
-    contents = [(name, kind, start, key) for (name, kind, start, _), key in zip(tensors, keys, strict=True)]
+    contents = [
+        (name, kind, start, key) if base is None else (name, kind, start, key, base[0])
+        for (name, kind, start, _), key, base in zip(tensors, keys, bases, strict=True)
+    ]
     return _head(contents, sizes)[0], sum(sizes)
 
 
 def head_for(
-    contents: list[tuple[str, str, int, str]], sizes: list[int], content_hash: ContentHash = PLAIN
+    contents: list[tuple], sizes: list[int], content_hash: ContentHash = PLAIN
 ) -> tuple[str, bytes, list[Entry]]:
     """The key (by ``content_hash``, the store's), preamble and index (``head``) and entries
     of a pack whose ``contents``' blobs of ``sizes`` bytes follow the head end to end."""
@@ -127,14 +155,14 @@ def head_for(
     return pack_key(contents, content_hash), head, entries
 
 
-def _head(contents: list[tuple[str, str, int, str]], sizes: list[int]) -> tuple[bytes, list[Entry]]:
+def _head(contents: list[tuple], sizes: list[int]) -> tuple[bytes, list[Entry]]:
     # The offsets depend on the index's length, which depends on the offsets' digits: settle it.
     length = 0
     while True:
         offset = PREAMBLE.size + length
         entries = []
-        for (name, kind, start, key), size in zip(contents, sizes, strict=True):
-            entries.append(Entry(name, kind, start, key, offset, size))
+        for (name, kind, start, key, *base), size in zip(contents, sizes, strict=True):
+            entries.append(Entry(name, kind, start, key, offset, size, *base))
             offset += size
         index = index_bytes(entries)
         if len(index) == length:
@@ -145,7 +173,9 @@ def _head(contents: list[tuple[str, str, int, str]], sizes: list[int]) -> tuple[
 
 def index_bytes(entries: list[Entry]) -> bytes:
     """The canonical index of ``entries`` (what follows a pack's preamble)."""
-    rows = [[e.name, e.kind, e.start, e.key, e.offset, e.length] for e in entries]
+    rows = [
+        [e.name, e.kind, e.start, e.key, e.offset, e.length, *([e.base] if e.base else [])] for e in entries
+    ]
     return json.dumps(rows, separators=(",", ":")).encode()
 
 
@@ -182,13 +212,10 @@ def parse_index(
     if len(index) != length:
         raise CorruptError("truncated pack index")
     try:
-        entries = [
-            Entry(str(name), str(kind), int(start), str(tensor), int(offset), int(size))
-            for name, kind, start, tensor, offset, size in json.loads(index)
-        ]
+        entries = [_entry(*row) for row in json.loads(index)]
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptError(f"malformed pack index: {clip(repr(exc))}") from None
-    if key is not None and pack_key([(e.name, e.kind, e.start, e.key) for e in entries], content_hash) != key:
+    if key is not None and pack_key([e.contents for e in entries], content_hash) != key:
         raise CorruptError(f"pack index does not hash to {key}")
     position = PREAMBLE.size + length
     for entry in entries:
@@ -200,24 +227,35 @@ def parse_index(
     return entries
 
 
+def _entry(name, kind, start, tensor, offset, size, *base) -> Entry:
+    """An index row as an Entry; ValueError or TypeError if it is not one."""
+    if len(base) > 1 or (base and not (isinstance(base[0], str) and len(base[0]) == 32)):
+        raise ValueError(f"a row has a base that is no pack key: {base!r}")
+    return Entry(str(name), str(kind), int(start), str(tensor), int(offset), int(size), *base)
+
+
 def _named(entry: Entry) -> str:
     return clip(f"{entry.name} {entry.kind}", 120)
 
 
 def decode_entry(
-    data: bytes | memoryview, entry: Entry, raw_size: int | None = None, content_hash: ContentHash = PLAIN
+    data: bytes | memoryview,
+    entry: Entry,
+    raw_size: int | None = None,
+    content_hash: ContentHash = PLAIN,
+    base: codec.Base | None = None,
 ) -> torch.Tensor:
     """The tensor of ``entry`` from ``data``, the pack's bytes from ``entry.offset`` on (at least
     ``entry.length`` of them), verified against its content key by ``content_hash`` (the
     store's). ``raw_size``: the bytes the layer index says the entry's tensor holds (see
-    ``codec.decode``)."""
+    ``codec.decode``); ``base``: a delta entry's base (``codec.decode``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
     try:
-        return codec.decode(blob, entry.key, raw_size, content_hash)
+        return codec.decode(blob, entry.key, raw_size, content_hash, base)
     except CorruptError as exc:
-        raise CorruptError(f"pack entry {_named(entry)}: {exc}") from None
+        raise type(exc)(f"pack entry {_named(entry)}: {exc}") from None  # a broken base stays one
 
 
 def decode_entry_into(
@@ -225,12 +263,13 @@ def decode_entry_into(
     entry: Entry,
     out: torch.Tensor,
     content_hash: ContentHash = PLAIN,
+    base: codec.Base | None = None,
 ) -> None:
     """``decode_entry`` straight into ``out`` (see ``codec.decode_into``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    codec.decode_into(blob, entry.key, out, content_hash)
+    codec.decode_into(blob, entry.key, out, content_hash, base)
 
 
 def decode_entry_pieces(
@@ -239,12 +278,13 @@ def decode_entry_pieces(
     dtype: torch.dtype,
     raw_size: int | None = None,
     content_hash: ContentHash = PLAIN,
+    base: codec.Base | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """``decode_entry`` a piece at a time, cast to ``dtype`` (see ``codec.decode_pieces``)."""
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    return codec.decode_pieces(blob, entry.key, dtype, raw_size, content_hash)
+    return codec.decode_pieces(blob, entry.key, dtype, raw_size, content_hash, base)
 
 
 def decode(
@@ -252,28 +292,49 @@ def decode(
     key: str | None = None,
     raw_size: int | None = None,
     content_hash: ContentHash = PLAIN,
+    bases: Bases | None = None,
 ) -> list[tuple[Entry, torch.Tensor]]:
     """Every entry of a whole pack with its tensor, verified by ``content_hash`` (the store's);
     the pack must end after its last.
 
     ``raw_size``: the bytes of tensors the layer index records for the pack; its entries'
-    headers must declare that much together before any is decoded.
+    headers must declare that much together before any is decoded. ``bases``: where its
+    delta entries' bases come from (without it, a delta entry is CorruptError).
     """
     view = memoryview(data)
     return [
-        (entry, decode_entry(view[entry.offset :], entry, content_hash=content_hash))
+        (entry, decode_entry(view[entry.offset :], entry, None, content_hash, _base(bases, entry)))
         for entry in whole_index(view, key, raw_size, content_hash)
     ]
 
 
-def check(data: bytes | memoryview, key: str, raw_size: int, content_hash: ContentHash = PLAIN) -> None:
+def check(
+    data: bytes | memoryview,
+    key: str,
+    raw_size: int,
+    content_hash: ContentHash = PLAIN,
+    bases: Bases | None = None,
+) -> None:
     """``decode`` for its checks alone: CorruptError unless every entry of the whole pack
     ``data`` hashes to its key and the index to ``key``, its entries declaring ``raw_size``
     bytes together (what its referrer records, checked before anything is decompressed).
-    Holds one entry's tensor at a time."""
+    Holds one entry's tensor at a time. Without ``bases``, a delta entry's payload is held to
+    its planes' layout alone: its content cannot be checked without its base."""
     view = memoryview(data)
     for entry in whole_index(view, key, raw_size, content_hash):
-        decode_entry(view[entry.offset :], entry, content_hash=content_hash)
+        blob = view[entry.offset : entry.offset + entry.length]
+        if entry.base is not None and bases is None and codec.parse_header(blob).codec == codec.XOR_PLANES:
+            codec.check_delta_layout(blob)
+            continue
+        decode_entry(blob, entry, None, content_hash, _base(bases, entry))
+
+
+def _base(bases: Bases | None, entry: Entry) -> codec.Base | None:
+    if entry.base is None:
+        return None
+    if bases is None:
+        raise CorruptError(f"pack entry {_named(entry)} is a delta, read without its base")
+    return bases(entry)
 
 
 def check_layout(data: bytes | memoryview, key: str, content_hash: ContentHash = PLAIN) -> None:

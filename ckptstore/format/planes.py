@@ -82,6 +82,12 @@ def _frames(payload: memoryview, itemsize: int, count: int) -> list[tuple[bool, 
     return frames
 
 
+def check_layout(payload: memoryview, itemsize: int, count: int) -> None:
+    """CorruptError unless ``payload`` is laid out as ``itemsize`` planes of ``count`` elements
+    (nothing is decompressed)."""
+    _frames(payload, itemsize, count)
+
+
 def read_planes(payload: memoryview, itemsize: int, count: int) -> Iterator[np.ndarray]:
     """The ``itemsize`` byte planes of a ZSTD_PLANES payload of ``count`` elements, in byte
     order (plane 0 holds every element's first byte), one by one: views of ``payload`` where

@@ -66,13 +66,18 @@ def fetch_blob(
 
 
 def fetch_pack(
-    objects: ObjectStore, key: str, cpu: threading.Semaphore, raw_size: int | None = None
+    objects: ObjectStore,
+    key: str,
+    cpu: threading.Semaphore,
+    raw_size: int | None = None,
+    bases: pack.Bases | None = None,
 ) -> list[tuple[pack.Entry, torch.Tensor]]:
     """Every entry of the pack ``key`` with its tensor, all verified (``fetch_blob``'s rules);
-    ``raw_size``: the bytes of tensors its layer index records (see ``pack.decode``)."""
+    ``raw_size``: the bytes of tensors its layer index records (see ``pack.decode``);
+    ``bases``: where its delta entries' bases come from."""
     data = objects.get(pack_name(key))
     with cpu:
-        return pack.decode(data, key, raw_size, objects.content_hash)
+        return pack.decode(data, key, raw_size, objects.content_hash, bases)
 
 
 def fetch_pack_index(objects: ObjectStore, ref: PackRef) -> dict[tuple[str, str, int], pack.Entry]:

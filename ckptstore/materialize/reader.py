@@ -34,6 +34,7 @@ from ..format import codec, pack
 from ..format.layout import blob_name, pack_name
 from ..model import FP32, NUMEL, PACK, START, TENSOR, BlobRow, LayerPacks, PackRef, TensorRow
 from ..objects import ObjectStore
+from .bases import DeltaBases
 from .fetch import SharedFetches, entry_in_head, fetch_blob, fetch_pack_head
 from .readahead import ReadAhead
 
@@ -92,7 +93,9 @@ class StepReader:
         self._ahead = ReadAhead(objects)
         self._pack_layer: dict[str, LayerPacks] = {}
         self._refs: dict[str, PackRef] = {}
+        self._bases = DeltaBases(objects, ())
         for index in packs:
+            self._bases.add(index.bases)
             read = [
                 t for t, (name, kind, _) in enumerate(index.tensors) if only is None or (name, kind) in only
             ]
@@ -141,6 +144,7 @@ class StepReader:
                 for row in _overlapping(fragments, lo, hi):
                     ref = index.packs[int(row[PACK])]
                     found[pack_name(ref.key)] = ref.size
+                found.update((pack_name(ref.key), ref.size) for ref in index.bases)
                 continue
             for row in self.rows.get((name, kind), []):
                 if row.start < hi and row.start + row.numel > lo and row.blob in self._sizes:
@@ -200,7 +204,9 @@ class StepReader:
                 raw_size = int(row[NUMEL]) * itemsize  # what the layer index allows the entry
                 if in_head is not None:
                     with self._cpu:
-                        tensor = pack.decode_entry(in_head, entry, raw_size, self._objects.content_hash)
+                        tensor = pack.decode_entry(
+                            in_head, entry, raw_size, self._objects.content_hash, self._bases.of(entry)
+                        )
                 else:
                     tensor = self._read(
                         partial(self._ahead.entry_bytes, ref.key, head, entry, (name, kind, int(row[START]))),
@@ -209,6 +215,7 @@ class StepReader:
                             entry=entry,
                             raw_size=raw_size,
                             content_hash=self._objects.content_hash,
+                            base=self._bases.of(entry),
                         ),
                     )
                 if tensor.numel() != row[NUMEL]:
@@ -292,7 +299,7 @@ class StepReader:
         with self._naming(f"pack {key} ({self._pack_where(key)})"):
             entry, data = self._entry(key, head, name, kind, start)
             with self._cpu:
-                pack.decode_entry_into(data, entry, out, self._objects.content_hash)
+                pack.decode_entry_into(data, entry, out, self._objects.content_hash, self._bases.of(entry))
         return True
 
     def read_pieces(
@@ -314,7 +321,7 @@ class StepReader:
             entry, data = self._entry(key, head, name, kind, start)
             with self._cpu:
                 for first, piece in pack.decode_entry_pieces(
-                    data, entry, dtype, raw_size, self._objects.content_hash
+                    data, entry, dtype, raw_size, self._objects.content_hash, self._bases.of(entry)
                 ):
                     yield start + first, piece
 

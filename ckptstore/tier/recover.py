@@ -324,7 +324,7 @@ def _step_sizes(catalog: Catalog, step: int) -> dict[str, tuple[int, int]]:
         packed = set()
         for index in catalog.layer_packs(source, layers):
             packed.add(index.layer)
-            found.update((layout.pack_name(ref.key), (ref.size, ref.raw_size)) for ref in index.packs)
+            found.update((layout.pack_name(ref.key), (ref.size, ref.raw_size)) for ref in index.all_packs)
         rows = catalog.tensors(source, [layer for layer in layers if layer not in packed])
         sizes = catalog.blob_sizes({row.blob for row in rows})
         found.update((layout.blob_name(key), (size.size, size.raw_size)) for key, size in sizes.items())

@@ -121,7 +121,9 @@ def upload_share(
 
 def object_names(record: StepRecord) -> dict[str, int]:
     """Every object ``record`` names (packs, format-1 blobs, auxiliary files) -> its stored size."""
-    names = {layout.pack_name(ref.key): ref.size for index in record.packs.values() for ref in index.packs}
+    names = {
+        layout.pack_name(ref.key): ref.size for index in record.packs.values() for ref in index.all_packs
+    }
     names.update((layout.blob_name(blob.key), blob.size) for blob in record.blobs)
     names.update((layout.file_name(row.key), row.size) for row in record.files)
     return names
@@ -165,7 +167,7 @@ def upload_step(
     names = object_names(record)
     if ranks is not None:
         owner = {
-            layout.pack_name(ref.key): ref.rank for index in record.packs.values() for ref in index.packs
+            layout.pack_name(ref.key): ref.rank for index in record.packs.values() for ref in index.all_packs
         }
         others = {name for name in names if name in owner and owner[name] not in ranks}
         report.waiting = sorted(name for name in others if remote.touch(name) is None)

@@ -22,6 +22,7 @@ from ..dcp import dcp_description
 from ..dcp.directory import refused_bytes_items
 from ..errors import CorruptError, NotFoundError, UnsupportedError
 from ..format import deletions, layout
+from ..materialize.bases import BaseCorrupt, BaseMissing, DeltaBases
 from ..materialize.fetch import fetch_blob, fetch_pack
 from ..objects import ObjectStore
 from ..progress import progress_bar
@@ -77,6 +78,7 @@ def verify(
     sizes.update((key, ref.size) for key, (ref, _) in pack_users.items())
     users.update((key, found) for key, (_, found) in pack_users.items())
     cpu = threading.BoundedSemaphore(knobs.cpu_threads())
+    bases = DeltaBases(objects, [ref for ref, _ in pack_users.values()])  # a delta is checked whole
     pause("indexed")
 
     def check(key: str, stored: dict[str, int] = stored) -> tuple[str, str | None, int]:
@@ -88,9 +90,11 @@ def verify(
             try:
                 # Sizes the catalog records bound what a decode may allocate (tests/test_bombs.py).
                 if key in pack_users:
-                    fetch_pack(objects, key, cpu, pack_users[key][0].raw_size)
+                    fetch_pack(objects, key, cpu, pack_users[key][0].raw_size, bases.of)
                 else:
                     fetch_blob(objects, key, cpu, recorded[key].raw_size if key in recorded else None)
+            except (BaseMissing, BaseCorrupt):
+                pass  # a broken base is reported as itself, with every step whose deltas need it
             except NotFoundError:
                 return key, "is missing", 0
             except CorruptError as exc:

@@ -95,7 +95,9 @@ def recheck(
 
 def _named(record: StepRecord) -> set[str]:
     """Every pack and blob ``record`` names."""
-    return {p.key for index in record.packs.values() for p in index.packs} | {t.blob for t in record.tensors}
+    return {p.key for index in record.packs.values() for p in index.all_packs} | {
+        t.blob for t in record.tensors
+    }
 
 
 def _flat(by_step: dict[int, list[str]]) -> list[str]:
