@@ -106,7 +106,12 @@ _SINGLE_RANK = [
     (
         "bench_every_step",
         [*TINY, "--steps", "3", "--seq", "16", "--batch", "2"],
-        ["| ckptstore commit, when_busy=latest |", "| DeepSpeed save_checkpoint |", "steps durable"],
+        [
+            "| ckptstore commit, when_busy=latest |",
+            "| ckptstore commit, when_busy=wait, no deltas |",
+            "| DeepSpeed save_checkpoint |",
+            "materialize of the newest step",
+        ],
     ),
     ("bench_deltas", [*TINY, "--warmup", "2", "--lr", "1e-3"], ["| **a commit (masters and moments)** |"]),
     ("bench_codec", [*TINY, "--steps", "1"], ["ckptstore / blosc2: decode"]),

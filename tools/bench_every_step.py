@@ -133,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     print(f"| no checkpoints | {base:.3f} | 1.00x | | | | |")
-    full = median(runs["whole"]["added"][1:])
+    full = median(runs["whole"]["added"][1:] or runs["whole"]["added"])
     names = {"latest": "when_busy=latest", "wait": "when_busy=wait", "whole": "when_busy=wait, no deltas"}
     for how in ("latest", "wait", "whole"):
         found = runs[how]
         step = median(found["seconds"])
         stall = f"{median(found['stalls']):.3f}" if found["stalls"] else "-"
-        added = median(found["added"][1:])
+        added = median(found["added"][1:] or found["added"])  # past the first, which is whole
         print(f"| ckptstore commit, {names[how]} | {step:.3f} | {step / base:.2f}x | {stall} | "
               f"{found['committed']}/{args.steps} | {added / deepspeed_bytes:.3f}x | {added / full:.3f}x |")  # fmt: skip
     step = median(runs["deepspeed"]["seconds"])
