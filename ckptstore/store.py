@@ -130,6 +130,11 @@ class Store(StoreQueries, TierVerbs):
         """Wait for a background commit in flight; returns its report, raises its error."""
         return self._commits.wait()
 
+    def delta_versions(self) -> Any:
+        """What this rank's next commit, or DCP save, stores changed tensors as deltas against
+        (``commit.deltas.Versions``; None with ``CKPTSTORE_DELTA_CHAIN=1``)."""
+        return self._commits.delta_versions()
+
     def replicate_behind(self, step: int) -> None:
         """Copy this rank's share of ``step`` into its peers' tiers behind training (with
         ``replicas``; else nothing): what a commit does after it, and what the DCP writer asks

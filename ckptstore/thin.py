@@ -25,7 +25,7 @@ import numpy as np
 from .catalog import Catalog
 from .catalog.sync import read_manifest
 from .errors import ConflictError
-from .format import layout, manifest, pack
+from .format import codec, layout, manifest, pack
 from .format.layout import manifest_name, pack_name
 from .materialize.bases import DeltaBases
 from .materialize.fetch import fetch_pack_index
@@ -159,10 +159,8 @@ def thin_layer(objects: ObjectStore, index: LayerPacks, *, dry_run: bool = False
     fragments = index.fragments[np.isin(index.fragments[:, TENSOR], keep)].copy()
     fragments[:, TENSOR] = tensor_renumber[fragments[:, TENSOR]]
     fragments[:, PACK] = renumber[fragments[:, PACK]]
-    # A kept delta entry keeps its base: the bases stay, all of them (a few packs at most).
-    return LayerPacks(
-        index.step, index.layer, packs, [index.tensors[t] for t in keep], fragments, bases=list(index.bases)
-    )
+    # Kept deltas are stored whole again (``_thin_pack``): the thinned layer needs no bases.
+    return LayerPacks(index.step, index.layer, packs, [index.tensors[t] for t in keep], fragments)
 
 
 def _thin_pack(
@@ -188,8 +186,15 @@ def _thin_pack(
     tensors = [
         pack.decode_entry(data[e.offset :], e, None, objects.content_hash, bases.of(e)) for e in kept
     ]  # verified before copying
+    # A whole entry is copied byte for byte; a delta is stored whole, so that the weights-only
+    # step needs none of the old packs (optimizer state and all) its chain went through.
     key, parts, _ = pack.assemble(
-        [(*e.contents, [data[e.offset : e.offset + e.length]]) for e in kept],
+        [
+            (e.name, e.kind, e.start, e.key, [data[e.offset : e.offset + e.length]])
+            if e.base is None
+            else (e.name, e.kind, e.start, e.key, codec.encode_parts(tensor, e.key)[1])
+            for e, tensor in zip(kept, tensors, strict=True)
+        ],
         objects.content_hash,
     )
     objects.put_if_absent(pack_name(key), parts)

@@ -409,3 +409,13 @@ def test_a_dcp_directorys_metadata_imports_only_what_dcps_own_save_imports(store
     ours, theirs = imports_of(out / ".metadata"), imports_of(tmp_path / "dcps-own" / ".metadata")
     assert ours <= theirs, ours - theirs
     assert not [name for name in ours if not name.startswith(("torch.", "pathlib.", "builtins."))]
+
+
+def test_a_state_of_tensors_alone_has_no_empty_state_layer_and_verifies_clean(store):
+    weights = {"model": training_state()["model"]}  # policy weights: no plain values, no bytes items
+    dcp.save(weights, storage_writer=StoreWriter(store, step=1))
+    assert "(state)" not in store.sources(1)
+    assert store.verify().ok
+    loaded = emptied({"model": weights["model"], "optim": {"state": {}, "param_groups": [{}]}, "train": {}})
+    dcp.load({"model": loaded["model"]}, storage_reader=StoreReader(store, step=1))
+    assert_equal_states(loaded["model"], weights["model"])

@@ -64,8 +64,9 @@ class EngineCommits:
         step = check_step(step)
         check_commit(engine, client_state)
         check_when_busy(when_busy, blocking)
-        versions = self._versions if knobs.delta_chain() > 1 else None
-        options = dict(layers=check_layers(layers), files=files, metrics=metrics, versions=versions)
+        options = dict(
+            layers=check_layers(layers), files=files, metrics=metrics, versions=self.delta_versions()
+        )
         take_snapshot = functools.partial(extract, engine, client_state)
         if self.tier is not None:
             self.tier.wait_for_room()
@@ -84,6 +85,11 @@ class EngineCommits:
         if replicate:
             self.replicate_behind(step)
         return report
+
+    def delta_versions(self) -> Versions | None:
+        """What this rank's next commit stores its changed pieces as deltas against (None:
+        deltas are off, ``CKPTSTORE_DELTA_CHAIN=1``); the DCP writer's saves use it too."""
+        return self._versions if knobs.delta_chain() > 1 else None
 
     def replicate_behind(self, step: int) -> None:
         """Copy this rank's share of the committed ``step`` into its peers' tiers behind

@@ -20,6 +20,7 @@ from ..catalog import Catalog
 from ..errors import CorruptError
 from ..format import codec, pack
 from ..format.layout import pack_name
+from ..materialize.bases import DeltaBases
 from ..materialize.fetch import coalesce, entry_in_head, fetch_pack_head
 from ..model import NUMEL, PACK, START, PackRef
 from ..objects import ObjectStore
@@ -80,11 +81,13 @@ class ChunkFetcher:
     ) -> None:
         self.objects, self.step = objects, step
         self.entries: dict[tuple[str, str, int], tuple[PackRef, int, str]] = {}
+        self._bases = DeltaBases(objects, ())
         by_source: dict[int, set[str]] = defaultdict(set)
         for where in wanted:
             by_source[where.source].add(where.layer)
         for source, layers in by_source.items():
             for index in catalog.layer_packs(source, layers):
+                self._bases.add(index.bases)
                 for (name, kind), (dtype, rows) in index.by_tensor().items():
                     for row in rows:
                         ref = index.packs[int(row[PACK])]
@@ -155,6 +158,7 @@ class ChunkFetcher:
                                 entry,
                                 numel * codec.DTYPES[dtype].itemsize,
                                 self.objects.content_hash,
+                                self._bases.of(entry),
                             ),
                         ),
                     )

@@ -58,6 +58,7 @@ class _Stored:
     pack: PackRef
     entry: Entry
     created: bool
+    bases: tuple[PackRef, ...] = ()  # what this rank's deltas in the layer need
 
 
 class StoreWriter(StorageWriter):
@@ -196,12 +197,14 @@ class StoreWriter(StorageWriter):
             key = (piece.name, piece.kind, piece.start)
             items[key] = item
             layer_of_piece[key] = named.layer
+        versions = getattr(self.store, "delta_versions", lambda: None)()
         with self.store.objects.lock(exclusive=False):
             stored = store_pieces(
                 self.store.objects,
                 self.rank,
                 pieces,
                 layer=lambda piece: layer_of_piece[(piece.name, piece.kind, piece.start)],
+                versions=versions,
             )
             self.store.objects.note_share(self.step, self.rank, stored.object_names())
         results = []
@@ -210,7 +213,9 @@ class StoreWriter(StorageWriter):
                 for entry in entries:
                     item = items[(entry[0], entry[1], entry[3])]
                     nbytes = entry[4] * codec.DTYPES[entry[2]].itemsize
-                    where = _Stored(layer, ref, entry, ref.key in stored.created)
+                    where = _Stored(
+                        layer, ref, entry, ref.key in stored.created, tuple(stored.bases.get(layer, ()))
+                    )
                     results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=where))
         replicate = getattr(self.store, "replicate_behind", None)
         if replicate is not None:  # the packs are durable: copies go to the peers behind the save
@@ -227,10 +232,12 @@ class StoreWriter(StorageWriter):
             check_new_step(catalog, self.step)
             wrote = [result.storage_data for rank_results in results for result in rank_results]
             names = name_items(list(metadata.state_dict_metadata), metadata.planner_data)
-            layers = list(dict.fromkeys(n.layer for n in names.values() if n.layer != STATE_LAYER))
-            layers.append(STATE_LAYER)
+            model = list(dict.fromkeys(n.layer for n in names.values() if n.layer != STATE_LAYER))
+            # A state of tensors alone (policy weights) has no state layer: one with nothing in it
+            # would be a layer its step holds no tensors for.
+            layers = model + [STATE_LAYER] * any(n.layer == STATE_LAYER for n in names.values())
             saved = set(layers) if self.layers is None else set(self.layers) | {STATE_LAYER}
-            previous = self._inheritable(layers[:-1]) if len(saved) < len(layers) else None
+            previous = self._inheritable(model) if set(layers) - saved else None
             sources = {layer: self.step if layer in saved else None for layer in layers}
             plain = plain_metadata.to_plain(metadata)
             if previous is not None:
@@ -280,11 +287,15 @@ def _piece(item: WriteItem, named: ItemName, data: Any) -> Piece:
 def _layer_indexes(step: int, wrote: list[_Stored]) -> dict[str, layerpacks.LayerPacks]:
     """The fragment index of every layer the ranks wrote, packs in rank order."""
     by_layer: dict[str, dict[str, tuple[PackRef, list[Entry]]]] = defaultdict(dict)
+    bases: dict[str, list[PackRef]] = defaultdict(list)
     for where in wrote:
         ref, entries = by_layer[where.layer].setdefault(where.pack.key, (where.pack, []))
         entries.append(where.entry)
+        bases[where.layer].extend(where.bases)
     return {
-        layer: layerpacks.build(step, layer, sorted(packs.values(), key=lambda p: (p[0].rank, p[0].key)))
+        layer: layerpacks.build(
+            step, layer, sorted(packs.values(), key=lambda p: (p[0].rank, p[0].key)), bases[layer]
+        )
         for layer, packs in by_layer.items()
     }
 

@@ -74,7 +74,7 @@ class DeltaBases:
             base = self._index(ref).get((entry.name, entry.kind, entry.start))
             if base is None:
                 raise CorruptError("that pack has no such entry")
-            data = self._objects.get_range(pack_name(key), base.offset, base.offset + base.length)
+            data = self._objects.get_range(pack_name(key), base.offset, base.length)
             info = codec.parse_header(data)
             codec.check_raw_size(info, raw_size)
             out = torch.empty(
