@@ -114,6 +114,11 @@ _SINGLE_RANK = [
         ],
     ),
     ("bench_deltas", [*TINY, "--warmup", "2", "--lr", "1e-3"], ["| **a commit (masters and moments)** |"]),
+    (
+        "bench_policy_versions",
+        [*TINY, "--steps", "3", "--warmup", "1", "--seq", "16", "--batch", "2"],
+        ["| dcp.save into the store (deltas) |", "ratios against DCP's FileSystemWriter"],
+    ),
     ("bench_codec", [*TINY, "--steps", "1"], ["ckptstore / blosc2: decode"]),
 ]
 

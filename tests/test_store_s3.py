@@ -277,3 +277,24 @@ def test_a_fresh_node_restores_with_at_most_two_requests_a_pack(s3, machine):
         assert len(pack_gets) <= 2 * len(packs), (len(pack_gets), len(packs))
     print(f"restore: {len(pack_gets)} GETs for {len(packs)} packs")
     assert train(resumed, DATA[1:3]) == after
+
+
+def test_a_fresh_node_reads_a_chain_of_deltas_with_at_most_two_requests_a_pack(s3, machine, tmp_path):
+    store = ckptstore.open(s3.uri())
+    engine = build_engine("llama", zero_stage=2, dtype="bf16", seed=0, num_layers=2, hidden=96, lr=1e-4)
+    for step in (1, 2, 3):
+        train(engine, DATA[step - 1 : step])
+        store.commit(engine, step=step)  # steps 2 and 3: deltas against the step before
+    expected = store.state_dict(3, dtype=None)
+    store.close()
+    machine("fresh")
+    with ckptstore.open(s3.uri(), create=False) as fresh:
+        gets = gets_of(fresh)
+        got = fresh.state_dict(3, dtype=None)
+        pack_gets = [url for url in gets if "/packs/" in url]
+        needed = {ref.key for index in fresh.catalog.layer_packs(3) for ref in index.all_packs}
+        own = packs_of(fresh, 3)
+        assert needed - own, "step 3's deltas need base packs"
+        # Each own pack: its index, then its entries; each base pack: once, whole.
+        assert len(pack_gets) <= 2 * len(own) + len(needed - own), (len(pack_gets), len(own), len(needed))
+    assert got.keys() == expected.keys() and all(got[k].equal(expected[k]) for k in got)

@@ -3,18 +3,23 @@ against its base, the same tensor's previous version in another pack, which may 
 delta against an older one. Every base pack a step needs is listed in its layer indexes
 (``LayerPacks.bases``), with its recorded size, so a base is read as any entry is: its pack's
 index fetched once and verified against its key, then its own bytes, verified against its
-content key as they are decoded.
+content key as they are decoded. From a local store those bytes are one mapped range; across
+a network a base pack is fetched whole at the first base wanted of it (the deltas of one pack
+mostly have their bases in one pack) and kept, within ``CKPTSTORE_READAHEAD_BYTES``, for the
+others: a request per base pack, not per entry.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from functools import partial
 
 import numpy as np
 import torch
 
+from .. import knobs
 from ..errors import CorruptError, NotFoundError
 from ..format import codec, pack
 from ..format.layout import pack_name
@@ -48,6 +53,11 @@ class DeltaBases:
         self._refs = {ref.key: ref for ref in refs}
         self._indexes: dict[str, dict[tuple[str, str, int], pack.Entry]] = {}
         self._lock = threading.Lock()
+        # Across a network: whole base packs, least recently used first, within a budget.
+        self._packs: OrderedDict[str, bytes] = OrderedDict()
+        self._pack_bytes = 0
+        self._budget = 0 if objects.reads_are_local else knobs.readahead_bytes()
+        self._fetching: dict[str, threading.Lock] = {}
 
     def __bool__(self) -> bool:
         return bool(self._refs)
@@ -74,7 +84,7 @@ class DeltaBases:
             base = self._index(ref).get((entry.name, entry.kind, entry.start))
             if base is None:
                 raise CorruptError("that pack has no such entry")
-            data = self._objects.get_range(pack_name(key), base.offset, base.length)
+            data = self._bytes(ref, base)
             info = codec.parse_header(data)
             codec.check_raw_size(info, raw_size)
             out = torch.empty(
@@ -89,11 +99,46 @@ class DeltaBases:
             raise BaseCorrupt(f"{what}: {exc}") from None
         return out.view(torch.uint8).numpy()
 
+    def _bytes(self, ref: PackRef, entry: pack.Entry) -> bytes | memoryview:
+        """The bytes of ``entry`` of the base pack ``ref``."""
+        if ref.size > self._budget:  # a local store, or a pack past the budget: its own range
+            return self._objects.get_range(pack_name(ref.key), entry.offset, entry.length)
+        return memoryview(self._whole(ref))[entry.offset : entry.offset + entry.length]
+
+    def _whole(self, ref: PackRef) -> bytes:
+        """The whole base pack ``ref``, fetched once while it stays within the budget."""
+        with self._fetching_lock(ref):  # one fetch however many threads want its entries
+            with self._lock:
+                data = self._packs.get(ref.key)
+                if data is not None:
+                    self._packs.move_to_end(ref.key)
+                    return data
+            data = self._objects.get(pack_name(ref.key))
+            if len(data) != ref.size:
+                raise CorruptError(f"it holds {len(data)} bytes, its step records {ref.size}")
+            with self._lock:
+                self._packs[ref.key] = data
+                self._pack_bytes += len(data)
+                while self._pack_bytes > self._budget and len(self._packs) > 1:
+                    self._pack_bytes -= len(self._packs.popitem(last=False)[1])
+            return data
+
     def _index(self, ref: PackRef) -> dict[tuple[str, str, int], pack.Entry]:
+        """The entries of the base pack ``ref`` by (name, kind, start), verified against its key."""
         with self._lock:
             found = self._indexes.get(ref.key)
-        if found is None:
-            found = fetch_pack_index(self._objects, ref)
-            with self._lock:
-                self._indexes[ref.key] = found
+        if found is not None:
+            return found
+        if ref.size <= self._budget:  # across a network: the pack is wanted whole anyway
+            entries = pack.parse_index(self._whole(ref), ref.key, ref.size, self._objects.content_hash)
+            found = {(e.name, e.kind, e.start): e for e in entries}
+        else:
+            with self._fetching_lock(ref):
+                found = self._indexes.get(ref.key) or fetch_pack_index(self._objects, ref)
+        with self._lock:
+            self._indexes[ref.key] = found
         return found
+
+    def _fetching_lock(self, ref: PackRef) -> threading.Lock:
+        with self._lock:
+            return self._fetching.setdefault(ref.key, threading.Lock())
