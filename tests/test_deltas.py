@@ -15,7 +15,7 @@ import torch
 
 import ckptstore
 from ckptstore.errors import CorruptError
-from ckptstore.format import codec, pack
+from ckptstore.format import codec, pack, planes
 from ckptstore.materialize.fetch import fetch_pack_index
 from tests.test_gc import load_checkpoint_files, same
 from tools.engines import batches, build_engine, destroy_engine, train
@@ -38,15 +38,16 @@ def test_a_delta_decodes_to_exactly_the_tensor_and_is_far_smaller_when_few_bits_
     assert key == codec.tensor_key(after)
     assert codec.parse_header(blob).codec == codec.XOR_PLANES
     assert len(blob) < 0.7 * len(codec.encode(after)[1])
-    decoded = codec.decode(blob, key, base=lambda size: base)
+    itemsize = after.element_size()
+    decoded = codec.decode(blob, key, base=lambda size: planes.split_planes(base, itemsize))
     assert torch.equal(decoded.view(torch.uint8), after.view(torch.uint8))
     with pytest.raises(CorruptError, match="without its base"):
         codec.decode(blob, key)
     other = codec.raw_bytes(torch.zeros(4096, dtype=dtype)).copy()
     with pytest.raises(CorruptError, match="does not hash to its key"):
-        codec.decode(blob, key, base=lambda size: other)
+        codec.decode(blob, key, base=lambda size: planes.split_planes(other, itemsize))
     with pytest.raises(CorruptError, match="base holds"):
-        codec.decode(blob, key, base=lambda size: base[:-2])
+        codec.decode(blob, key, base=lambda size: planes.split_planes(base[:-itemsize], itemsize))
 
 
 def test_a_packs_key_covers_its_entries_bases_and_its_index_names_only_pack_keys():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -41,8 +42,9 @@ MAGIC = b"CKPB"
 FORMAT_VERSION = 1
 RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES, XOR_PLANES = 0, 1, 2, 3, 4
 CODECS = (RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES, XOR_PLANES)
-# The raw bytes of a delta's base (uint8), asked for when needed with how many the delta's
-# tensor holds: what the base must hold too, checked before anything is allocated for it.
+# A delta's base as byte planes (uint8, element size x elements: ``decode_planes``), the
+# caller's to change, asked for when needed with how many bytes the delta's tensor holds: what
+# the base must hold too, checked before anything is allocated for it.
 Base = Callable[[int], np.ndarray]
 # Only plain numeric dtypes ever become blobs; anything else is refused rather than guessed.
 DTYPES: dict[str, torch.dtype] = {
@@ -265,8 +267,15 @@ def decode_into(
         )
     digest = None if key is None else _key_digest(info.dtype, info.shape, content_hash)
     try:
-        if info.codec == ZSTD_PLANES:
-            stored = planes.read_planes(payload, dtype.itemsize, count)
+        if info.codec in (ZSTD_PLANES, XOR_PLANES):
+            # A delta's planes are XOR-ed onto its base's plane by plane and joined into
+            # elements once, however long the chain: the chain's bases are not hashed on the
+            # way, the tensor it gives is, against its key.
+            stored = (
+                planes.read_planes(payload, dtype.itemsize, count)
+                if info.codec == ZSTD_PLANES
+                else iter(decode_planes(blob, base, info))
+            )
             if out.dtype == dtype and dtype.itemsize > 2:
                 # One plane at a time into ``out`` (a float32 export's page faults were 150 MB
                 # so, 220 MB holding all four).
@@ -277,13 +286,10 @@ def decode_into(
             else:
                 planes.join_planes(list(stored), dtype, out.reshape(-1), digest)
         else:
-            if info.codec == XOR_PLANES:
-                raw = _undelta(payload, info, base)
-            else:
-                raw = np.frombuffer(
-                    payload if info.codec == RAW else zstd.unzstd(payload, info.raw_size, "the blob payload"),
-                    dtype=np.uint8,
-                )
+            raw = np.frombuffer(
+                payload if info.codec == RAW else zstd.unzstd(payload, info.raw_size, "the blob payload"),
+                dtype=np.uint8,
+            )
             if raw.size != info.raw_size:
                 raise CorruptError(f"blob payload holds {raw.size} bytes, header says {info.raw_size}")
             if info.codec == ZSTD_GROUPED:
@@ -310,19 +316,55 @@ def check_delta_layout(blob: bytes | memoryview) -> None:
     planes.check_layout(memoryview(blob)[info.header_size :], itemsize, info.raw_size // itemsize)
 
 
-def _undelta(payload: memoryview, info: BlobInfo, base: Base | None) -> np.ndarray:
-    """The raw bytes of a XOR_PLANES blob: its planes joined, XOR its base's bytes."""
-    if base is None:
-        raise CorruptError("a delta blob is read without its base")
+# A chain's planes live in memory this thread keeps for the next chain (up to this size): fresh
+# memory costs a page fault per 4 KiB, a quarter of a restore's time at the end of a chain.
+_CHAIN_MEMORY = 32 << 20
+_chains = threading.local()
+
+
+def _chain_memory(itemsize: int, count: int) -> np.ndarray:
+    """Memory for the planes of one chain (element size x elements): this thread's own, reused
+    by its next chain, which starts once this one's tensor is decoded."""
+    size = itemsize * count
+    if size > _CHAIN_MEMORY:
+        return np.empty((itemsize, count), dtype=np.uint8)
+    memory = getattr(_chains, "memory", None)
+    if memory is None or memory.size < size:
+        memory = _chains.memory = np.empty(max(size, 1 << 20), dtype=np.uint8)
+    return memory[:size].reshape(itemsize, count)
+
+
+def decode_planes(
+    blob: bytes | memoryview, base: Base | None = None, info: BlobInfo | None = None
+) -> np.ndarray:
+    """The blob's bytes as byte planes (uint8, element size x elements), a delta XOR-ed onto
+    its ``base``'s: what a delta against this blob starts from. Not verified against any key:
+    whoever reads the chain's last tensor verifies that. CorruptError if the bytes are
+    malformed, or a delta comes without its base or with one of another size."""
+    info = info or parse_header(blob)
+    payload = memoryview(blob)[info.header_size :]
     itemsize = DTYPES[info.dtype].itemsize
     count = info.raw_size // itemsize
-    raw = np.empty((count, itemsize), dtype=np.uint8)
-    planes.store_planes(planes.read_planes(payload, itemsize, count), raw)
-    raw = raw.reshape(-1)
-    before = base(raw.size)
-    if before.dtype != np.uint8 or before.size != raw.size:
-        raise CorruptError(f"a delta's base holds {before.size} bytes, the delta {raw.size}")
-    return np.bitwise_xor(raw, before, out=raw)
+    try:
+        if info.codec == XOR_PLANES:
+            if base is None:
+                raise CorruptError("a delta blob is read without its base")
+            out = base(info.raw_size)
+            if out.dtype != np.uint8 or out.shape != (itemsize, count):
+                raise CorruptError(f"a delta's base holds {out.size} bytes, the delta {info.raw_size}")
+            for row, plane in zip(out, planes.read_planes(payload, itemsize, count), strict=True):
+                np.bitwise_xor(row, plane, out=row)
+            return out
+        if info.codec == ZSTD_PLANES:
+            out = _chain_memory(itemsize, count)
+            for row, plane in zip(out, planes.read_planes(payload, itemsize, count), strict=True):
+                row[:] = plane
+            return out
+        tensor = torch.empty(count, dtype=DTYPES[info.dtype])
+        decode_into(blob, None, tensor)
+        return planes.split_planes(raw_bytes(tensor), itemsize)
+    except (zstandard.ZstdError, struct.error) as exc:
+        raise CorruptError(f"blob payload does not decode: {exc}") from None
 
 
 def decode_pieces(

@@ -36,6 +36,7 @@ import torch
 from ..errors import CorruptError, clip
 from ..hashing import PLAIN, ContentHash
 from . import codec
+from .cast import cast
 from .config import check_version
 
 # Where a delta entry's base comes from: None for an entry stored whole.
@@ -255,6 +256,7 @@ def decode_entry(
     try:
         return codec.decode(blob, entry.key, raw_size, content_hash, base)
     except CorruptError as exc:
+        _blame_base(exc, base)
         raise type(exc)(f"pack entry {_named(entry)}: {exc}") from None  # a broken base stays one
 
 
@@ -269,7 +271,11 @@ def decode_entry_into(
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    codec.decode_into(blob, entry.key, out, content_hash, base)
+    try:
+        codec.decode_into(blob, entry.key, out, content_hash, base)
+    except CorruptError as exc:
+        _blame_base(exc, base)
+        raise
 
 
 def decode_entry_pieces(
@@ -280,11 +286,14 @@ def decode_entry_pieces(
     content_hash: ContentHash = PLAIN,
     base: codec.Base | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """``decode_entry`` a piece at a time, cast to ``dtype`` (see ``codec.decode_pieces``)."""
+    """``decode_entry`` a piece at a time, cast to ``dtype`` (see ``codec.decode_pieces``); a
+    delta, whole (at once)."""
+    if base is not None:
+        return iter([(0, cast(decode_entry(data, entry, raw_size, content_hash, base).reshape(-1), dtype))])
     blob = memoryview(data)[: entry.length]
     if len(blob) != entry.length:
         raise CorruptError(f"pack entry {_named(entry)} is truncated")
-    return codec.decode_pieces(blob, entry.key, dtype, raw_size, content_hash, base)
+    return codec.decode_pieces(blob, entry.key, dtype, raw_size, content_hash)
 
 
 def decode(
@@ -327,6 +336,15 @@ def check(
             codec.check_delta_layout(blob)
             continue
         decode_entry(blob, entry, None, content_hash, _base(bases, entry))
+
+
+def _blame_base(error: CorruptError, base: codec.Base | None) -> None:
+    """After a delta failed its checks, raise what is wrong with its chain of bases, if
+    anything (a base that can check itself, ``materialize.bases.BaseOf``): a base is read
+    unverified, and a broken one makes its delta fail, not itself."""
+    check = getattr(base, "check", None)
+    if check is not None and type(error) is CorruptError:
+        check()
 
 
 def _base(bases: Bases | None, entry: Entry) -> codec.Base | None:

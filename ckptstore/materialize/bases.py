@@ -11,13 +11,12 @@ others: a request per base pack, not per entry.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
-from functools import partial
+from collections.abc import Iterable, Iterator
 
 import numpy as np
-import torch
 
 from .. import knobs
 from ..errors import CorruptError, NotFoundError
@@ -40,6 +39,30 @@ class BaseCorrupt(CorruptError):
     """A delta's base fails its checks: what is wrong is the base, not the delta's pack."""
 
 
+class BaseOf:
+    """The base of one delta entry: called, its byte planes (``codec.Base``), decoded along its
+    chain unverified (the delta's own key verifies what the chain gives); ``check()``, after
+    that key did not match, finds which base of the chain is broken and raises BaseCorrupt
+    naming it (or returns: the delta itself is)."""
+
+    def __init__(self, bases: DeltaBases, entry: pack.Entry, depth: int) -> None:
+        self._bases, self._entry, self._depth = bases, entry, depth
+
+    def __call__(self, raw_size: int) -> np.ndarray:
+        what, base, data = self._bases._found(self._entry)
+        with _as_base(what):
+            info = codec.parse_header(data[: base.length])
+            codec.check_raw_size(info, raw_size)
+            return codec.decode_planes(data[: base.length], self._bases.of(base, self._depth + 1), info)
+
+    def check(self) -> None:
+        what, base, data = self._bases._found(self._entry)
+        with _as_base(what):  # verified against its key, its own base checked likewise
+            pack.decode_entry(
+                data, base, None, self._bases.content_hash, self._bases.of(base, self._depth + 1)
+            )
+
+
 class DeltaBases:
     """Where the delta entries of a step's packs find their bases: ``of(entry)`` is what
     ``pack.decode_entry`` takes as ``base``, or what ``pack.decode`` takes as ``bases``.
@@ -59,6 +82,10 @@ class DeltaBases:
         self._budget = 0 if objects.reads_are_local else knobs.readahead_bytes()
         self._fetching: dict[str, threading.Lock] = {}
 
+    @property
+    def content_hash(self):
+        return self._objects.content_hash
+
     def __bool__(self) -> bool:
         return bool(self._refs)
 
@@ -66,38 +93,26 @@ class DeltaBases:
         """Know these base packs too (another layer's)."""
         self._refs.update((ref.key, ref) for ref in refs)
 
-    def of(self, entry: pack.Entry, depth: int = 1) -> codec.Base | None:
+    def of(self, entry: pack.Entry, depth: int = 1) -> BaseOf | None:
         """The base of ``entry`` (None for an entry stored whole), read when called."""
         if entry.base is None:
             return None
         if depth > MAX_CHAIN:
             raise CorruptError(f"its chain of deltas is longer than {MAX_CHAIN}")
-        return partial(self._raw, entry, depth)
+        return BaseOf(self, entry, depth)
 
-    def _raw(self, entry: pack.Entry, depth: int, raw_size: int) -> np.ndarray:
+    def _found(self, entry: pack.Entry) -> tuple[str, pack.Entry, bytes | memoryview]:
+        """``(what it is, the base entry, its bytes)`` of the base of ``entry``."""
         key = entry.base
-        ref = self._refs.get(key)
         what = f"its base, {entry.name} {entry.kind} from element {entry.start} in pack {key}"
+        ref = self._refs.get(key)
         if ref is None:
             raise BaseCorrupt(f"{what}, is no base its step lists")
-        try:
+        with _as_base(what):
             base = self._index(ref).get((entry.name, entry.kind, entry.start))
             if base is None:
                 raise CorruptError("that pack has no such entry")
-            data = self._bytes(ref, base)
-            info = codec.parse_header(data)
-            codec.check_raw_size(info, raw_size)
-            out = torch.empty(
-                info.raw_size // codec.DTYPES[info.dtype].itemsize, dtype=codec.DTYPES[info.dtype]
-            )
-            pack.decode_entry_into(data, base, out, self._objects.content_hash, self.of(base, depth + 1))
-        except (BaseMissing, BaseCorrupt):
-            raise  # a base of the base: named already
-        except NotFoundError:
-            raise BaseMissing(f"{what}, is missing") from None
-        except CorruptError as exc:
-            raise BaseCorrupt(f"{what}: {exc}") from None
-        return out.view(torch.uint8).numpy()
+            return what, base, self._bytes(ref, base)
 
     def _bytes(self, ref: PackRef, entry: pack.Entry) -> bytes | memoryview:
         """The bytes of ``entry`` of the base pack ``ref``."""
@@ -142,3 +157,17 @@ class DeltaBases:
     def _fetching_lock(self, ref: PackRef) -> threading.Lock:
         with self._lock:
             return self._fetching.setdefault(ref.key, threading.Lock())
+
+
+@contextlib.contextmanager
+def _as_base(what: str) -> Iterator[None]:
+    """Errors reading a base as BaseMissing or BaseCorrupt, naming it; a base's base's pass as
+    they are (named already)."""
+    try:
+        yield
+    except (BaseMissing, BaseCorrupt):
+        raise
+    except NotFoundError:
+        raise BaseMissing(f"{what}, is missing") from None
+    except CorruptError as exc:
+        raise BaseCorrupt(f"{what}: {exc}") from None
