@@ -16,6 +16,7 @@ import torch
 import ckptstore
 from ckptstore.errors import CorruptError
 from ckptstore.format import codec, pack, planes
+from ckptstore.format.layout import pack_name
 from ckptstore.materialize.fetch import fetch_pack_index
 from tests.test_gc import load_checkpoint_files, same
 from tools.engines import batches, build_engine, destroy_engine, train
@@ -66,6 +67,49 @@ def test_a_packs_key_covers_its_entries_bases_and_its_index_names_only_pack_keys
         pack.parse_index(tampered, delta)
     with pytest.raises(CorruptError, match="malformed pack index"):
         pack.parse_index(data.replace(b"a" * 32, b"x" * 31 + b'"'), None)
+
+
+# -- the planning of a commit ---------------------------------------------------------------------
+
+
+def stored_entries(objects, stored):
+    """Every entry the packs of ``stored`` (a ``StoredPacks``) hold."""
+    return [
+        entry
+        for packs in stored.layers.values()
+        for ref, _ in packs
+        for entry in fetch_pack_index(objects, ref).values()
+    ]
+
+
+def test_a_piece_is_a_delta_only_against_a_version_of_its_dtype_still_stored(tmp_path):
+    from ckptstore.commit.deltas import Versions
+    from ckptstore.commit.packs import store_pieces
+    from ckptstore.model import Piece
+
+    objects = ckptstore.open(tmp_path / "store").objects
+    versions = Versions()
+    weight = torch.randn(4096)
+
+    def commit(tensor):
+        return store_pieces(objects, 0, [Piece("layers.0.w", "fp32", 0, tensor)], versions=versions)
+
+    commit(weight)
+    second = commit(weight * (1 + 1e-6))
+    (entry,) = stored_entries(objects, second)
+    assert entry.base is not None and second.bases  # a delta, and the layer lists its base
+    # The same bytes as bf16 elements: a delta's planes are its base's, so it is stored whole.
+    moved = weight.view(torch.bfloat16) + 1
+    (entry,) = stored_entries(objects, commit(moved))
+    assert entry.base is None
+    moved[:8] += 1  # a few elements move: a delta that pays
+    (entry,) = stored_entries(objects, commit(moved))
+    assert entry.base is not None
+    # Its base swept since (a gc between two commits): the next version is stored whole.
+    objects.delete(pack_name(entry.base))
+    moved[8:16] += 1
+    (entry,) = stored_entries(objects, commit(moved))
+    assert entry.base is None
 
 
 # -- commits every step, read back --------------------------------------------------------------

@@ -54,6 +54,7 @@ class Version:
     pack: str  # the pack it is in
     depth: int  # deltas between it and a whole entry
     whole_share: float  # stored size over raw size when last stored whole
+    itemsize: int  # bytes of one element: a delta's planes are its base's
     rest: int = 0  # versions still to store whole, after a delta that did not pay
     misses: int = 0  # deltas in a row that did not pay
 
@@ -87,8 +88,9 @@ class Versions:
         )
         return found if same else None
 
-    def plan(self, piece: Piece, key: str, chain: int) -> Version | None:
-        """The version to store ``piece`` (of content ``key``) as a delta against, or None: whole."""
+    def plan(self, piece: Piece, chain: int) -> Version | None:
+        """The version to store ``piece`` as a delta against, or None: whole. ``chain``: the
+        most objects a read may decode for it."""
         version = self.pieces.get(_id(piece))
         tensor = piece.tensor
         if (
@@ -99,6 +101,7 @@ class Versions:
             or not tensor.is_floating_point()
             or not devicecopy.on_host(tensor)
             or version.raw.size != piece.nbytes
+            or version.itemsize != tensor.element_size()
             or piece.nbytes < _MIN_BYTES
         ):
             return None
@@ -156,11 +159,14 @@ class Versions:
             with self._lock:
                 old = self.pieces.get(_id(piece))
             if base is None:
-                version = Version(key, raw, ref.key, 0, share if share is not None else 1.0)
+                whole = share if share is not None else 1.0
+                version = Version(key, raw, ref.key, 0, whole, piece.tensor.element_size())
                 if old is not None:
                     version.rest, version.misses = max(0, old.rest - 1), old.misses
             else:
-                version = Version(key, raw, ref.key, base.depth + 1, base.whole_share)
+                version = Version(
+                    key, raw, ref.key, base.depth + 1, base.whole_share, piece.tensor.element_size()
+                )
                 if share is not None and share > _WORTH * base.whole_share:
                     version.misses = base.misses + 1
                     version.rest = (

@@ -103,7 +103,7 @@ def store_pieces(
     def plan(members: list[tuple[Piece, str]]) -> list[Version | None]:
         if versions is None:
             return [None] * len(members)
-        bases = [versions.plan(p, k, chain) for p, k in members]
+        bases = [versions.plan(p, chain) for p, _ in members]
         stored = versions.freshen(objects, {b.pack for b in bases if b is not None}, fresh)
         return [b if b is not None and b.pack in stored else None for b in bases]
 
