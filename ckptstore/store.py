@@ -17,6 +17,7 @@ import torch
 from . import auxfiles, frontdoors, strategies
 from .arguments import check_step, while_open
 from .catalog import Catalog
+from .commit.deltas import Versions
 from .commit.engine import EngineCommits
 from .commit.queue import CommitHandle
 from .commit.step import CommitReport
@@ -130,7 +131,7 @@ class Store(StoreQueries, TierVerbs):
         """Wait for a background commit in flight; returns its report, raises its error."""
         return self._commits.wait()
 
-    def delta_versions(self) -> Any:
+    def delta_versions(self) -> Versions | None:
         """What this rank's next commit, or DCP save, stores changed tensors as deltas against
         (``commit.deltas.Versions``; None with ``CKPTSTORE_DELTA_CHAIN=1``)."""
         return self._commits.delta_versions()

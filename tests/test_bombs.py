@@ -87,7 +87,7 @@ def blob_header_bomb(root: Path) -> None:
     path, ref = first_pack(root)
     data = path.read_bytes()
     entries = pack.parse_index(data, ref.key)
-    bomb = codec._header(codec.ZSTD, "float32", (GIB // 4,), GIB) + zeros_frame(GIB)
+    bomb = codec.header(codec.ZSTD, "float32", (GIB // 4,), GIB) + zeros_frame(GIB)
     items = [(e.name, e.kind, e.start, e.key, [data[e.offset : e.offset + e.length]]) for e in entries]
     items[0] = (*items[0][:4], [bomb])
     key, parts, _ = pack.assemble(items)

@@ -202,7 +202,7 @@ def test_a_declared_size_alone_never_allocates():
     """The huge-integer mutation at the places sizes live, spelled out once each."""
     blob = a_blob()
     info = codec.parse_header(blob)
-    tampered = codec._header(codec.ZSTD, "float32", (1 << 28,), 1 << 30) + blob[info.header_size :]
+    tampered = codec.header(codec.ZSTD, "float32", (1 << 28,), 1 << 30) + blob[info.header_size :]
     with pytest.raises(CorruptError, match="declares 1073741824 bytes, its referrer records 96"):
         codec.decode(tampered, None, 96)
     data, _ = a_pack()

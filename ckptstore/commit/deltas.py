@@ -142,11 +142,10 @@ class Versions:
         bases: list[Version | None],
         entries: list[pack.Entry] | None,
         chain: tuple[PackRef, ...],
-        keep: bool,
     ) -> None:
-        """Remember the pieces of the pack ``ref`` as stored, with the ``bases`` they were
-        planned against; ``entries``: the pack's index (None: it was there already, as
-        planned); ``keep``: whether to copy the pieces' bytes for the next commit's deltas."""
+        """Remember the pieces of the pack ``ref`` as stored, their bytes copied for the next
+        commit's deltas, with the ``bases`` they were planned against; ``entries``: the pack's
+        index (None: it was there already, as planned)."""
         contents = tuple(
             (p.name, p.kind, p.start, key) if base is None else (p.name, p.kind, p.start, key, base.pack)
             for (p, key), base in zip(members, bases, strict=True)
@@ -155,7 +154,7 @@ class Versions:
             self.packs[ref.key] = PackVersion(ref, contents, chain)
         for i, ((piece, key), base) in enumerate(zip(members, bases, strict=True)):
             share = None if entries is None else entries[i].length / max(1, piece.nbytes)
-            raw = _copy(piece.tensor) if keep and piece.tensor.is_floating_point() else None
+            raw = _copy(piece.tensor) if piece.tensor.is_floating_point() else None
             with self._lock:
                 old = self.pieces.get(_id(piece))
             if base is None:

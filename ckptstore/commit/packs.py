@@ -138,10 +138,10 @@ def store_pieces(
             except OSError as exc:  # the spill file's disk is full, read-only, past ulimit -f
                 spill = objects.spill_directory or tempfile.gettempdir()
                 raise storage_error(f"spill pack {pack_name(key)} into", spill, exc) from None
-        ref = PackRef(key, rank, size, raw_size)
-        used = versions.chain_of({b.pack for b in bases if b is not None}) if versions is not None else ()
+        ref, used = PackRef(key, rank, size, raw_size), ()
         if versions is not None:
-            versions.record(ref, members, bases, written, used, keep=True)
+            used = versions.chain_of({b.pack for b in bases if b is not None})
+            versions.record(ref, members, bases, written, used)
         return ref, _entries(members), created, used
 
     # Encoding threads are started by I/O threads, already lowered: both take the caller's level.

@@ -1,9 +1,5 @@
-"""Tensor <-> blob bytes, and the content key of a tensor.
-
-Blob layout (format version 1, all integers little-endian)::
-
-    b"CKPB"  u8 version  u8 codec  u8 len(dtype)  dtype (ascii)
-    u8 ndim  ndim x u64 shape  u64 raw_size  payload
+"""Tensor <-> blob bytes: the codecs, and verified decodes (the header and the content key are
+``format.blobheader``'s).
 
 ``codec`` is RAW (payload = the tensor bytes), ZSTD, ZSTD_GROUPED (the bytes of every
 element regrouped by significance, then one zstd frame), or ZSTD_PLANES: the same regrouping,
@@ -14,102 +10,48 @@ XOR_PLANES is a *delta*: ZSTD_PLANES of the tensor's bytes XOR those of its *bas
 tensor's previous version (of the same dtype and shape). The blob cannot be read without the
 base: whoever points at the blob names it (``pack``: the entry's base pack), and the key is
 still that of the tensor itself, so a delta decodes to exactly what a full blob would.
-The key is the store's content hash (``ckptstore.hashing``: xxh3-128, or keyed BLAKE3 with a
-key) of the dtype, the shape and the *uncompressed* bytes, so it does not depend on the codec,
-and every decode re-hashes and compares.
+Every decode re-hashes the tensor and compares it with its key.
 """
 
 from __future__ import annotations
 
-import math
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import zstandard
 
 from .. import knobs
-from ..errors import CorruptError, UnsupportedError, clip
-from ..hashing import PLAIN, ContentHash, Digest
+from ..errors import CorruptError
+from ..hashing import PLAIN, ContentHash
 from . import devicecopy, planes, zstd
+from .blobheader import (  # noqa: F401 (the header's names are every codec user's too)
+    CODECS,
+    DTYPES,
+    FORMAT_VERSION,
+    MAGIC,
+    RAW,
+    XOR_PLANES,
+    ZSTD,
+    ZSTD_GROUPED,
+    ZSTD_PLANES,
+    BlobInfo,
+    check_raw_size,
+    dtype_name,
+    header,
+    key_digest,
+    parse_header,
+    raw_bytes,
+    tensor_key,
+)
 from .cast import cast, cast_into
-from .config import check_version
 
-MAGIC = b"CKPB"
-FORMAT_VERSION = 1
-RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES, XOR_PLANES = 0, 1, 2, 3, 4
-CODECS = (RAW, ZSTD, ZSTD_GROUPED, ZSTD_PLANES, XOR_PLANES)
 # A delta's base as byte planes (uint8, element size x elements: ``decode_planes``), the
 # caller's to change, asked for when needed with how many bytes the delta's tensor holds: what
 # the base must hold too, checked before anything is allocated for it.
 Base = Callable[[int], np.ndarray]
-# Only plain numeric dtypes ever become blobs; anything else is refused rather than guessed.
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class BlobInfo:
-    """What a blob header says: codec, dtype, shape and uncompressed size."""
-
-    codec: int
-    dtype: str
-    shape: tuple[int, ...]
-    raw_size: int
-    header_size: int
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name ckptstore records for a torch dtype; raises UnsupportedError for exotic ones."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise UnsupportedError(f"tensors of dtype {dtype} cannot be stored")
-    return name
-
-
-def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes in C order as a uint8 array (a view when already contiguous on CPU)."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy()
-
-
-def tensor_key(tensor: torch.Tensor, raw: np.ndarray | None = None, content_hash: ContentHash = PLAIN) -> str:
-    """The content key: 32 hex digits of ``content_hash`` (the store's) over dtype, shape and raw bytes."""
-    digest = _key_digest(dtype_name(tensor.dtype), tuple(tensor.shape), content_hash)
-    if raw is None and not devicecopy.on_host(tensor):
-        for chunk in devicecopy.host_chunks(tensor):
-            digest.update(chunk)
-    else:
-        digest.update(raw_bytes(tensor) if raw is None else raw)
-    return digest.hexdigest()
-
-
-def _key_digest(dtype: str, shape: tuple[int, ...], content_hash: ContentHash) -> Digest:
-    """The content key's hash of a tensor of ``dtype`` (its name) and ``shape``, before its bytes."""
-    digest = content_hash.digest()
-    digest.update(f"{dtype}:{shape}:".encode())
-    return digest
-
-
-def _header(codec: int, dtype: str, shape: tuple[int, ...], raw_size: int) -> bytes:
-    name = dtype.encode("ascii")
-    return b"".join(
-        [
-            MAGIC,
-            struct.pack("<BBB", FORMAT_VERSION, codec, len(name)),
-            name,
-            struct.pack(f"<B{len(shape)}Q", len(shape), *shape),
-            struct.pack("<Q", raw_size),
-        ]
-    )
 
 
 def encode(
@@ -152,7 +94,7 @@ def encode_parts(
     if payload is None:
         packed = split = None  # a GPU tensor's planes go before its bytes come to the host
         payload = [raw_bytes(tensor) if raw is None else raw]
-    return key, [_header(codec, dtype, shape, size), *payload]
+    return key, [header(codec, dtype, shape, size), *payload]
 
 
 def encode_delta_parts(
@@ -169,48 +111,7 @@ def encode_delta_parts(
     key = tensor_key(tensor, raw, content_hash) if key is None else key
     itemsize = tensor.element_size()
     payload = planes.encode_planes(planes.split_planes(np.bitwise_xor(raw, base), itemsize))
-    return key, [_header(XOR_PLANES, dtype, tuple(tensor.shape), raw.size), *payload]
-
-
-def parse_header(blob: bytes | memoryview) -> BlobInfo:
-    """Read and validate a blob header; raises CorruptError on anything malformed."""
-    view = memoryview(blob)
-    try:
-        if bytes(view[:4]) != MAGIC:
-            raise CorruptError("not a ckptstore blob (bad magic)")
-        version, codec, name_len = struct.unpack_from("<BBB", view, 4)
-        check_version("blob", version, FORMAT_VERSION)
-        if codec not in CODECS:
-            raise CorruptError(f"unknown blob codec {codec}")
-        offset = 7
-        dtype = bytes(view[offset : offset + name_len]).decode("ascii")
-        offset += name_len
-        if dtype not in DTYPES:
-            raise CorruptError(f"unknown dtype {clip(repr(dtype), 40)} in blob header")
-        (ndim,) = struct.unpack_from("<B", view, offset)
-        shape = struct.unpack_from(f"<{ndim}Q", view, offset + 1)
-        offset += 1 + 8 * ndim
-        (raw_size,) = struct.unpack_from("<Q", view, offset)
-        offset += 8
-    except (struct.error, UnicodeDecodeError) as exc:
-        raise CorruptError(f"truncated or malformed blob header: {exc}") from None
-    # Zero elements may still declare dimensions no tensor can have (torch's strides overflow).
-    if math.prod(max(dim, 1) for dim in shape) * DTYPES[dtype].itemsize >= 1 << 63:
-        raise CorruptError(f"blob header declares an impossible shape {clip(str(shape), 120)}")
-    if math.prod(shape) * DTYPES[dtype].itemsize != raw_size:
-        raise CorruptError(f"blob header is inconsistent: shape {shape} of {dtype} is not {raw_size} bytes")
-    return BlobInfo(codec, dtype, tuple(shape), raw_size, offset)
-
-
-def check_raw_size(info: BlobInfo, raw_size: int | None) -> None:
-    """Refuse a header declaring other than ``raw_size`` bytes (what the blob's referrer
-    records: the catalog's size row, or the element count the layer index gives the entry).
-
-    A header is the blob's own claim: a few bytes of zstd can declare a gigabyte of zeros, so
-    nothing is allocated for it until whoever points at the blob has agreed on its size.
-    """
-    if raw_size is not None and info.raw_size != raw_size:
-        raise CorruptError(f"blob header declares {info.raw_size} bytes, its referrer records {raw_size}")
+    return key, [header(XOR_PLANES, dtype, tuple(tensor.shape), raw.size), *payload]
 
 
 def decode(
@@ -265,7 +166,7 @@ def decode_into(
         raise CorruptError(
             f"blob of {info.raw_size} bytes of {info.dtype} does not fit {out.numel()} x {out.dtype}"
         )
-    digest = None if key is None else _key_digest(info.dtype, info.shape, content_hash)
+    digest = None if key is None else key_digest(info.dtype, info.shape, content_hash)
     try:
         if info.codec in (ZSTD_PLANES, XOR_PLANES):
             # A delta's planes are XOR-ed onto its base's plane by plane and joined into
@@ -306,14 +207,16 @@ def decode_into(
         raise CorruptError(f"blob content does not hash to its key {key}")
 
 
-def check_delta_layout(blob: bytes | memoryview) -> None:
+def check_delta_layout(blob: bytes | memoryview) -> bool:
     """What of a delta blob can be checked without its base: its header, and its planes'
-    layout (nothing decompressed). CorruptError otherwise, also for a blob that is no delta."""
+    layout (nothing decompressed): True once checked; False (nothing checked past its
+    header) for a blob that is no delta. CorruptError if what is checked is malformed."""
     info = parse_header(blob)
     if info.codec != XOR_PLANES:
-        raise CorruptError("the blob is no delta")
+        return False
     itemsize = DTYPES[info.dtype].itemsize
     planes.check_layout(memoryview(blob)[info.header_size :], itemsize, info.raw_size // itemsize)
+    return True
 
 
 # A chain's planes live in memory this thread keeps for the next chain (up to this size): fresh
@@ -373,7 +276,6 @@ def decode_pieces(
     dtype: torch.dtype,
     raw_size: int | None = None,
     content_hash: ContentHash = PLAIN,
-    base: Base | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """The blob's elements as ``(first element, 1-D tensor)`` pieces in element order, of
     ``dtype``: the blob's or, for a floating blob, another floating dtype (cast as ``Tensor.to``
@@ -384,8 +286,8 @@ def decode_pieces(
     A piece is memory reused for the next (``planes.decode_pieces``, ZSTD_PLANES blobs): a
     caller writing a tensor out holds a piece of it in memory, never all of it. Other codecs
     are decoded whole first. Raises CorruptError as ``decode_into`` does, perhaps after some
-    pieces: nothing handed out is to be trusted until the iteration has ended. A delta
-    (``base`` as for ``decode``) is decoded whole.
+    pieces: nothing handed out is to be trusted until the iteration has ended. A delta needs
+    its base: ``pack.decode_entry_pieces`` decodes it whole.
     """
     info = parse_header(blob)
     check_raw_size(info, raw_size)
@@ -394,9 +296,9 @@ def decode_pieces(
     if dtype != stored and not (dtype.is_floating_point and stored.is_floating_point):
         raise CorruptError(f"blob of {info.dtype} cannot be decoded as {dtype}")
     if info.codec != ZSTD_PLANES:
-        yield 0, cast(decode(blob, key, raw_size, content_hash, base).reshape(-1), dtype)
+        yield 0, cast(decode(blob, key, raw_size, content_hash).reshape(-1), dtype)
         return
-    digest = None if key is None else _key_digest(info.dtype, info.shape, content_hash)
+    digest = None if key is None else key_digest(info.dtype, info.shape, content_hash)
     try:
         yield from planes.decode_pieces(memoryview(blob)[info.header_size :], stored, count, dtype, digest)
     except (zstandard.ZstdError, struct.error) as exc:

@@ -332,8 +332,7 @@ def check(
     view = memoryview(data)
     for entry in whole_index(view, key, raw_size, content_hash):
         blob = view[entry.offset : entry.offset + entry.length]
-        if entry.base is not None and bases is None and codec.parse_header(blob).codec == codec.XOR_PLANES:
-            codec.check_delta_layout(blob)
+        if entry.base is not None and bases is None and codec.check_delta_layout(blob):
             continue
         decode_entry(blob, entry, None, content_hash, _base(bases, entry))
 

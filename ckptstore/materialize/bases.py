@@ -1,9 +1,11 @@
 """The bases of delta entries: a pack entry stored as a delta (``format.pack``) is decoded
 against its base, the same tensor's previous version in another pack, which may itself be a
 delta against an older one. Every base pack a step needs is listed in its layer indexes
-(``LayerPacks.bases``), with its recorded size, so a base is read as any entry is: its pack's
-index fetched once and verified against its key, then its own bytes, verified against its
-content key as they are decoded. From a local store those bytes are one mapped range; across
+(``LayerPacks.bases``), with its recorded size, so a base is found as any entry is: its pack's
+index fetched once and verified against its key, then its own bytes. Those are decoded along
+the chain without hashing each level: the delta's own content key verifies what the chain
+gives, and only when it does not match is the chain checked level by level, to name the base
+that is broken (``BaseOf.check``). From a local store a base's bytes are one mapped range; across
 a network a base pack is fetched whole at the first base wanted of it (the deltas of one pack
 mostly have their bases in one pack) and kept, within ``CKPTSTORE_READAHEAD_BYTES``, for the
 others: a request per base pack, not per entry.
@@ -22,6 +24,7 @@ from .. import knobs
 from ..errors import CorruptError, NotFoundError
 from ..format import codec, pack
 from ..format.layout import pack_name
+from ..hashing import ContentHash
 from ..model import PackRef
 from ..objects import ObjectStore
 from .fetch import fetch_pack_index
@@ -83,11 +86,9 @@ class DeltaBases:
         self._fetching: dict[str, threading.Lock] = {}
 
     @property
-    def content_hash(self):
+    def content_hash(self) -> ContentHash:
+        """The store's content hash, that bases are verified by."""
         return self._objects.content_hash
-
-    def __bool__(self) -> bool:
-        return bool(self._refs)
 
     def add(self, refs: Iterable[PackRef]) -> None:
         """Know these base packs too (another layer's)."""
