@@ -67,6 +67,10 @@ def test_a_packs_key_covers_its_entries_bases_and_its_index_names_only_pack_keys
         pack.parse_index(tampered, delta)
     with pytest.raises(CorruptError, match="malformed pack index"):
         pack.parse_index(data.replace(b"a" * 32, b"x" * 31 + b'"'), None)
+    # A base names an object, so it is held to the store's rule for names: 32 hex digits.
+    for name in (b"../../../../../../../etc/passwd", b"A" * 32, b"a" * 31 + b"/"):
+        with pytest.raises(CorruptError, match="no pack key"):
+            pack.parse_index(data.replace(b"a" * 32, name.ljust(32, b"x")[:32]), None)
 
 
 # -- the planning of a commit ---------------------------------------------------------------------

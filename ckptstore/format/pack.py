@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CorruptError, clip
 from ..hashing import PLAIN, ContentHash
-from . import codec
+from . import codec, layout
 from .cast import cast
 from .config import check_version
 
@@ -230,8 +230,11 @@ def parse_index(
 
 def _entry(name, kind, start, tensor, offset, size, *base) -> Entry:
     """An index row as an Entry; ValueError or TypeError if it is not one."""
-    if len(base) > 1 or (base and not (isinstance(base[0], str) and len(base[0]) == 32)):
-        raise ValueError(f"a row has a base that is no pack key: {base!r}")
+    # A base names an object: held to the store's one rule for names (``layout``).
+    if len(base) > 1 or (
+        base and not (isinstance(base[0], str) and layout.parse_pack_name(layout.pack_name(base[0])))
+    ):
+        raise ValueError(f"a row has a base that is no pack key: {clip(repr(base), 80)}")
     return Entry(str(name), str(kind), int(start), str(tensor), int(offset), int(size), *base)
 
 

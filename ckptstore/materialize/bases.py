@@ -129,7 +129,8 @@ class DeltaBases:
                 if data is not None:
                     self._packs.move_to_end(ref.key)
                     return data
-            data = self._objects.get(pack_name(ref.key))
+            # No more than its recorded size is read, whatever the object holds.
+            data = bytes(self._objects.get_range(pack_name(ref.key), 0, ref.size))
             if len(data) != ref.size:
                 raise CorruptError(f"it holds {len(data)} bytes, its step records {ref.size}")
             with self._lock:
